@@ -1,0 +1,65 @@
+"""The schema: every config key zerojax knows, with its default.
+
+Every other file in configs/ starts from `get_config()` here and changes values;
+a key that is not defined here is an error, wherever it comes from.
+
+    python train.py --config configs/base.py --config.zero.stage=2
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # PRNG seed for parameter init, data order and dropout.
+  c.workdir = ""  # Where logs (and later checkpoints) go; "" = do not write.
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1  # Replicas ('data' axis); -1 = the devices left over.
+  c.mesh.fsdp = -1  # Devices the ZeRO state is sharded over ('fsdp' axis); -1 = the rest.
+
+  c.zero = ml_collections.ConfigDict()
+  c.zero.stage = 3  # 0: plain data parallel, 1: +optimizer state sharded, 2: +gradients, 3: +params.
+  c.zero.min_shard_size = 4096  # Leaves with fewer elements stay replicated (DeepSpeed's persistence threshold).
+
+  c.precision = ml_collections.ConfigDict()
+  c.precision.param_dtype = "bfloat16"  # Stored parameters: float32 | bfloat16.
+  c.precision.compute_dtype = "bfloat16"  # Activations and matmuls: float32 | bfloat16.
+  c.precision.reduce_dtype = "float32"  # Cross-device gradient reductions: float32 | bfloat16.
+  c.precision.accum_dtype = "float32"  # Gradient accumulation over microbatches: float32 | bfloat16.
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"  # adamw | sgd.
+  c.optimizer.learning_rate = 3e-3  # Peak learning rate.
+  c.optimizer.schedule = "cosine"  # constant | cosine | linear (decay after warmup).
+  c.optimizer.warmup_steps = 20  # Linear warmup from 0 to the peak.
+  c.optimizer.min_lr_ratio = 0.1  # Final learning rate as a fraction of the peak (cosine, linear).
+  c.optimizer.b1 = 0.9  # AdamW first-moment decay.
+  c.optimizer.b2 = 0.95  # AdamW second-moment decay.
+  c.optimizer.eps = 1e-8  # AdamW epsilon.
+  c.optimizer.weight_decay = 0.1  # Decoupled weight decay (AdamW) or L2 (sgd).
+  c.optimizer.momentum = 0.9  # SGD momentum; 0 disables it.
+  c.optimizer.nesterov = False  # SGD Nesterov momentum.
+  c.optimizer.grad_clip = 1.0  # Clip the global gradient norm (fp32) to this; 0 disables.
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 200  # Optimizer steps.
+  c.train.global_batch_size = 16  # Sequences per optimizer step, over all devices and microbatches.
+  c.train.microbatches = 1  # Gradient accumulation steps per optimizer step.
+  c.train.seq_len = 128  # Tokens per sequence.
+  c.train.log_every = 10  # Print metrics every this many steps.
+  c.train.eval_every = 50  # Held-out loss every this many steps; 0 disables.
+  c.train.eval_batches = 4  # Held-out batches per evaluation.
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "mlp_lm"  # Model family: mlp_lm (a scanned residual MLP language model).
+  c.model.vocab_size = 256  # Token vocabulary (256 = bytes).
+  c.model.d_model = 128  # Residual stream width.
+  c.model.d_ff = 512  # Hidden width of each MLP block.
+  c.model.n_layers = 4  # Blocks, run under lax.scan.
+  c.model.context = 8  # Previous tokens each position mixes in (causal, per block).
+
+  c.data = ml_collections.ConfigDict()
+  c.data.name = "stdlib"  # stdlib: bytes of the Python standard library's source (no download).
+  c.data.eval_fraction = 0.05  # Share of the corpus held out for evaluation.
+  return c

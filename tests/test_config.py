@@ -1,0 +1,206 @@
+"""Tests for zerojax.config: loading, overrides, and one clear ConfigError per mistake."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from zerojax import config as zc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = os.path.join(REPO, "configs", "base.py")
+TINY = os.path.join(REPO, "configs", "tiny.py")
+
+
+def write_config(tmp_path, body: str, name: str = "bad.py") -> str:
+  """Writes a real config file that starts from the base schema and runs `body` on `c`."""
+  path = tmp_path / name
+  path.write_text("from zerojax.config import base_config\n\n\ndef get_config():\n  c = base_config()\n"
+                  + textwrap.indent(textwrap.dedent(body), "  ") + "\n  return c\n")
+  return str(path)
+
+
+def test_base_and_tiny_load_and_validate():
+  base = zc.load_config(BASE, num_devices=8)
+  assert base.zero.stage == 3 and base.mesh.fsdp == -1
+  assert zc.resolve_mesh_shape(base, 8) == (1, 8)
+  tiny = zc.load_config(TINY, num_devices=8)
+  assert (tiny.model.d_model, tiny.model.d_ff, tiny.model.n_layers) == (64, 256, 2)
+  assert (tiny.train.seq_len, tiny.train.global_batch_size, tiny.train.steps) == (64, 16, 100)
+  for n in (1, 2, 4, 8, 16):
+    zc.validate(tiny, num_devices=n)
+  zc.validate(zc.base_config())
+
+
+def test_loaded_config_is_locked():
+  config = zc.load_config(TINY)
+  with pytest.raises(AttributeError):
+    config.zero.stag = 2
+  config.zero.stage = 1  # Values may still change.
+
+
+def test_overrides_of_each_type():
+  config = zc.load_config(TINY, [
+      "zero.stage=2", "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=5", "optimizer.nesterov=TRUE",
+      "--config.optimizer.name=sgd", "config.workdir='/tmp/run 1'", "optimizer.eps=1", "mesh.data=2",
+  ], num_devices=8)
+  assert config.zero.stage == 2 and isinstance(config.zero.stage, int)
+  assert config.optimizer.learning_rate == 1e-3
+  assert config.optimizer.nesterov is True
+  assert config.optimizer.name == "sgd"
+  assert config.workdir == "/tmp/run 1"
+  assert config.optimizer.eps == 1.0 and isinstance(config.optimizer.eps, float)
+  assert zc.resolve_mesh_shape(config, 8) == (2, 4)
+  for text, want in [("0", False), ("1", True), ("false", False), ("True", True)]:
+    assert zc.load_config(TINY, [f"optimizer.nesterov={text}"]).optimizer.nesterov is want
+
+
+def test_file_with_argument(tmp_path):
+  path = tmp_path / "arg.py"
+  path.write_text("from zerojax.config import base_config\n\n\ndef get_config(stage='3'):\n"
+                  "  c = base_config()\n  c.zero.stage = int(stage)\n  return c\n")
+  assert zc.load_config(f"{path}:1").zero.stage == 1
+  assert zc.load_config(str(path)).zero.stage == 3
+
+
+def test_parse_argv():
+  argv = ["--config", "configs/tiny.py", "--config.zero.stage=2", "--steps_hint", "--config.train.steps", "7",
+          "--config.optimizer.learning_rate", "-1e-3", "extra"]
+  path, overrides, rest = zc.parse_argv(argv)
+  assert path == "configs/tiny.py"
+  assert overrides == ["zero.stage=2", "train.steps=7", "optimizer.learning_rate=-1e-3"]
+  assert rest == ["--steps_hint", "extra"]
+  assert zc.parse_argv(["--config=a.py", "--", "--config.x=1"]) == ("a.py", [], ["--", "--config.x=1"])
+  assert zc.parse_argv([], default="configs/tiny.py")[0] == "configs/tiny.py"
+  config = zc.load_config(TINY, zc.parse_argv(["--config", TINY, "--config.zero.stage", "1"])[1])
+  assert config.zero.stage == 1
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--config", "a.py", "--config.zero.stage"], "zero.stage"),
+    (["--config", "a.py", "--config.zero.stage", "--config.seed=1"], "zero.stage"),
+    (["--config.zero.stage=1"], "--config"),
+    (["--config", "a.py", "--config=b.py"], "--config"),
+    (["--config"], "--config"),
+])
+def test_parse_argv_errors(argv, key):
+  with pytest.raises(zc.ConfigError, match=key):
+    zc.parse_argv(argv)
+
+
+# Bad config FILES: (body run on `c` after base_config(), key the message must name, more text it must contain).
+BAD_FILES = [
+    ("c.seeed = 1", "seeed", "did you mean seed"),
+    ("c.zero.stag = 2", "zero.stag", "zero.stage"),
+    ("import ml_collections\nc.bfloat16 = ml_collections.ConfigDict({'enabled': True})", "bfloat16.enabled",
+     "precision.param_dtype"),
+    ("c.zero_optimization = 2", "zero_optimization", "zero.stage"),
+    ("c.train_batch_size = 32", "train_batch_size", "train.global_batch_size"),
+    ("c.gradient_accumulation_steps = 4", "gradient_accumulation_steps", "train.microbatches"),
+    ("c.zero.stage = '2'", "zero.stage", "without quotes"),
+    ("c.train.steps = 1.5", "train.steps", "float"),
+    ("c.zero.stage = True", "zero.stage", "must be an int"),
+    ("c.zero.stage = 4", "zero.stage", "0, 1, 2, 3"),
+    ("c.precision.param_dtype = 'bf16'", "precision.param_dtype", "'bfloat16'"),
+    ("c.precision.compute_dtype = 'float16'", "precision.compute_dtype", "loss scaling"),
+    ("c.precision.reduce_dtype = 'fp32'", "precision.reduce_dtype", "'float32'"),
+    ("c.optimizer.name = 'adam'", "optimizer.name", "adamw"),
+    ("c.optimizer.schedule = 'cosin'", "optimizer.schedule", "cosine"),
+    ("c.mesh.data = -1", "mesh", "both -1"),
+    ("c.mesh.data = 0", "mesh.data", "-1"),
+    ("c.optimizer.warmup_steps = 500", "optimizer.warmup_steps", "train.steps"),
+    ("c.optimizer.b2 = 1.0", "optimizer.b2", "[0, 1)"),
+    ("c.optimizer.learning_rate = 0", "optimizer.learning_rate", "> 0"),
+    ("c.model.context = 1000", "model.context", "train.seq_len"),
+    ("c.data.eval_fraction = 0.9", "data.eval_fraction", "(0, 0.5]"),
+    ("c.train.microbatches = 3", "train.global_batch_size", "microbatches"),
+    ("del c.zero['stage']", "zero.stage", "missing"),
+    ("c.lock()\nc.zero.stag = 1", "zero.stag", "zero.stage"),
+    ("c.zero = 3", "zero", "group"),
+    ("c.train.steps = c.train.stepz", "train.stepz", "did you mean train.steps"),
+]
+
+
+@pytest.mark.parametrize("body, key, text", BAD_FILES, ids=[b[1] + ":" + b[0][:20] for b in BAD_FILES])
+def test_bad_config_file(tmp_path, body, key, text):
+  path = write_config(tmp_path, body)
+  with pytest.raises(zc.ConfigError) as info:
+    zc.load_config(path)
+  message = str(info.value)
+  assert key in message and text in message, message
+  assert path in message, message  # Says which file it came from.
+
+
+# Bad overrides on a good file: (override, num_devices, key the message must name, more text it must contain).
+BAD_OVERRIDES = [
+    ("optimizer.nesterov=maybe", None, "optimizer.nesterov", "true or false"),
+    ("train.steps=1.5", None, "train.steps", "an int"),
+    ("optimizer.learning_rate=fast", None, "optimizer.learning_rate", "a number"),
+    ("optimizer.learning_rate=nan", None, "optimizer.learning_rate", "finite"),
+    ("zero.stag=2", None, "zero.stag", "zero.stage"),
+    ("bf16=true", None, "bf16", "precision.param_dtype"),
+    ("fp16.enabled=true", None, "fp16.enabled", "loss scaling"),
+    ("gradient_clipping=1", None, "gradient_clipping", "optimizer.grad_clip"),
+    ("train_micro_batch_size_per_gpu=2", None, "train_micro_batch_size_per_gpu", "train.microbatches"),
+    ("optimizer.lr=1", None, "optimizer.lr", "optimizer.learning_rate"),
+    ("max_steps=10", None, "max_steps", "train.steps"),
+    ("zero.stage", None, None, "key=value"),
+    ("mesh.data=3", 8, "mesh.data", "1, 2, 4, 8"),
+    ("mesh.data=3", None, "train.global_batch_size", "15 or 18"),
+    ("mesh.fsdp=2", 8, "mesh.data", "fsdp=-1"),
+    ("mesh.data=-1", 8, "mesh", "both -1"),
+    ("train.global_batch_size=20", 8, "train.global_batch_size", "16 or 24"),
+]
+
+
+@pytest.mark.parametrize("override, num_devices, key, text", BAD_OVERRIDES, ids=[b[0] for b in BAD_OVERRIDES])
+def test_bad_override(override, num_devices, key, text):
+  with pytest.raises(zc.ConfigError) as info:
+    zc.load_config(TINY, [override], num_devices=num_devices)
+  message = str(info.value)
+  assert (key is None or key in message) and text in message, message
+  if "=" in override:
+    assert f"override --config.{override}" in message, message
+
+
+def test_batch_microbatch_combination():
+  zc.load_config(TINY, ["train.microbatches=2"], num_devices=8)
+  with pytest.raises(zc.ConfigError, match="train.global_batch_size"):
+    zc.load_config(TINY, ["train.microbatches=4"], num_devices=8)
+
+
+def test_missing_file_and_missing_get_config(tmp_path):
+  with pytest.raises(zc.ConfigError, match="does not exist"):
+    zc.load_config(str(tmp_path / "nope.py"))
+  empty = tmp_path / "empty.py"
+  empty.write_text("x = 1\n")
+  with pytest.raises(zc.ConfigError, match="get_config"):
+    zc.load_config(str(empty))
+  broken = tmp_path / "broken.py"
+  broken.write_text("def get_config(:\n")
+  with pytest.raises(zc.ConfigError, match="SyntaxError"):
+    zc.load_config(str(broken))
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", "zerojax.config", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+
+
+def test_cli_bad_config_exits_2_without_traceback(tmp_path):
+  path = write_config(tmp_path, "c.zero.stag = 2")
+  result = _run_cli("--config", path)
+  assert result.returncode == 2, result
+  assert result.stderr.startswith("error: ") and "zero.stag" in result.stderr, result.stderr
+  assert "Traceback" not in result.stderr
+  result = _run_cli("--config", TINY, "--config.optimizer.nesterov", "maybe")
+  assert result.returncode == 2 and "optimizer.nesterov" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_prints_resolved_config():
+  result = _run_cli("--config", "configs/tiny.py", "--config.zero.stage=1", "--num_devices", "8")
+  assert result.returncode == 0, result.stderr
+  assert "stage: 1" in result.stdout and "(1, 8)" in result.stdout

@@ -1,0 +1,14 @@
+"""zerojax: ZeRO for JAX.
+
+The library: a ZeRO plan for any parameter pytree (`make_plan`), a train state created
+sharded (`init_state`), and one pure, jitted train step for stages 0-3
+(`make_train_step`). Models whose layers run under a scan call `gather` on each
+layer's params so that stage 3 gathers one layer at a time.
+"""
+
+from zerojax.mesh import make_mesh
+from zerojax.step import TrainState, abstract_state, init_state, make_train_step
+from zerojax.zero import Sharded, ZeroPlan, gather, make_plan
+
+__all__ = ["Sharded", "TrainState", "ZeroPlan", "abstract_state", "gather",
+           "init_state", "make_mesh", "make_plan", "make_train_step"]

@@ -1,0 +1,109 @@
+"""A small causal language model with scanned layers, in plain JAX.
+
+Each block mixes the last `context` positions with a learned per-channel causal
+filter, then applies a GELU MLP; blocks are stacked along a leading 'layers' axis and
+run under `lax.scan`, the layout the Llama model uses too. It is the model of the
+quick start and of the tests: big enough to have layer-stacked matrices for ZeRO to
+shard and gather, small enough to train on a CPU in seconds.
+
+Shapes: B batch, T sequence, V vocab, D d_model, F d_ff, L layers, C context.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.zero import gather
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpLM:
+  """Hyper-parameters and dtypes; methods are pure functions of (params, inputs)."""
+  vocab_size: int = 256
+  d_model: int = 128
+  d_ff: int = 512
+  n_layers: int = 4
+  context: int = 8
+  param_dtype: Any = jnp.float32
+  compute_dtype: Any = jnp.float32
+
+  def init(self, rng: jax.Array) -> Params:
+    """Random parameters in `param_dtype` (scaled normal, unit norms)."""
+    V, D, F, L, C = self.vocab_size, self.d_model, self.d_ff, self.n_layers, self.context
+    k = jax.random.split(rng, 5)
+    normal = lambda key, shape, fan_in: (
+        jax.random.normal(key, shape, jnp.float32) / jnp.sqrt(fan_in)
+    ).astype(self.param_dtype)
+    ones = lambda shape: jnp.ones(shape, self.param_dtype)
+    return {
+        "embed": normal(k[0], (V, D), 1.0),
+        "layers": {
+            "norm": ones((L, D)),
+            "mix": normal(k[1], (L, C, D), C),
+            "w_in": normal(k[2], (L, D, F), D),
+            "w_out": normal(k[3], (L, F, D), F),
+        },
+        "final_norm": ones((D,)),
+        "head": normal(k[4], (D, V), D),
+    }
+
+  def logical_axes(self) -> dict[str, Any]:
+    """Axis names per parameter dimension, for `zerojax.make_plan`."""
+    return {
+        "embed": ("vocab", "embed"),
+        "layers": {
+            "norm": ("layers", "embed"),
+            "mix": ("layers", "context", "embed"),
+            "w_in": ("layers", "embed", "mlp"),
+            "w_out": ("layers", "mlp", "embed"),
+        },
+        "final_norm": ("embed",),
+        "head": ("embed", "vocab"),
+    }
+
+  def apply(self, params: Params, tokens: jax.Array) -> jax.Array:
+    """Next-token logits.
+
+    Args:
+      params: from `init` (layer leaves may be `zerojax.Sharded` at ZeRO stage 3).
+      tokens: int32[B, T].
+
+    Returns:
+      float32[B, T, V] logits.
+    """
+    cd = self.compute_dtype
+    x = params["embed"].astype(cd)[tokens]
+
+    def block(x, layer):
+      layer = gather(layer)  # Stage 3: this layer's weights only, gathered here.
+      h = _rms_norm(x, layer["norm"]).astype(cd)
+      # Causal depthwise filter: position t sees t, t-1, ..., t-C+1.
+      shifted = [jnp.pad(h, ((0, 0), (c, 0), (0, 0)))[:, :h.shape[1]]
+                 for c in range(self.context)]
+      h = jnp.einsum("cbtd,cd->btd", jnp.stack(shifted), layer["mix"].astype(cd))
+      h = jax.nn.gelu(h @ layer["w_in"].astype(cd)) @ layer["w_out"].astype(cd)
+      return x + h, None
+
+    x, _ = jax.lax.scan(block, x, params["layers"])
+    x = _rms_norm(x, params["final_norm"]).astype(cd)
+    return (x @ params["head"].astype(cd)).astype(jnp.float32)
+
+  def loss(self, params: Params, batch: dict[str, jax.Array], rng: jax.Array = None):
+    """Mean next-token cross-entropy (fp32) over `batch['tokens']`: int32[B, T+1]."""
+    del rng  # No dropout.
+    tokens = batch["tokens"]
+    logits = self.apply(params, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.mean(nll)
+
+
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """RMSNorm computed in fp32, whatever the input dtype."""
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x * scale.astype(jnp.float32)

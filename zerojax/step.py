@@ -1,0 +1,244 @@
+"""The train state and the one train step that serves every ZeRO stage.
+
+A step has two halves:
+
+1. **Gradients, per device** (`jax.shard_map`): each device runs `loss_fn` on its
+   slice of the batch, microbatch by microbatch under `lax.scan`, and differentiates
+   with respect to its parameters *cast to the reduce dtype*. That cast is what makes
+   every cross-device reduction fp32 while the forward pass stays bf16: the cotangent
+   of the cast is the upcast gradient, and at stage 3 the gather's backward
+   reduce-scatters it in fp32 layer by layer. Stages 2 and 3 reduce-scatter each
+   microbatch's gradient into an fp32 accumulator that is already sharded; stages 0
+   and 1 accumulate locally and all-reduce once.
+2. **The update, per shard** (GSPMD): clipping by the fp32 global norm and the optax
+   update run on arrays laid out by the plan, so each device updates only its shard of
+   the optimizer state, and any optax transform (global-norm clipping included) sees
+   the whole logical gradient. The new params are re-laid out to their stage's spec,
+   which is the all-gather of stages 1 and 2.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from zerojax import zero
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
+
+
+class TrainState(NamedTuple):
+  """Everything a step reads and writes.
+
+  Attributes:
+    step: int32 scalar, optimizer steps taken.
+    params: the parameter pytree, in the param dtype, laid out by the plan.
+    opt_state: the optax state, laid out by the plan.
+    rng: uint32[2] key data; each step folds in its step number (and each device its
+      index), so randomness is a pure function of (seed, step, device).
+  """
+  step: jax.Array
+  params: PyTree
+  opt_state: PyTree
+  rng: jax.Array
+
+
+def state_shardings(plan: zero.ZeroPlan) -> TrainState:
+  """The NamedSharding of every leaf of the train state."""
+  return plan.shardings(TrainState(step=P(), params=plan.param_specs,
+                                   opt_state=plan.opt_specs, rng=P()))
+
+
+def abstract_state(plan: zero.ZeroPlan) -> TrainState:
+  """The train state as sharded `jax.ShapeDtypeStruct`s: lower a step without memory."""
+  shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), plan.params, plan.opt_state,
+                      jax.ShapeDtypeStruct((2,), jnp.uint32))
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      shapes, state_shardings(plan))
+
+
+def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
+               tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+  """Creates the train state already sharded: no leaf is ever whole on one device.
+
+  Args:
+    plan: the ZeRO plan (from the same `init_fn` shapes and `tx`).
+    init_fn: `rng -> params`.
+    tx: the optimizer.
+    rng: a PRNG key (raw uint32[2] or typed).
+
+  Returns:
+    The `TrainState`, each leaf with the sharding the plan gives it.
+  """
+  key_data = rng if rng.dtype == jnp.uint32 else jax.random.key_data(rng)
+
+  def init(key_data):
+    init_key, state_key = jax.random.split(jax.random.wrap_key_data(key_data))
+    params = init_fn(init_key)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
+                      jax.random.key_data(state_key))
+
+  return jax.jit(init, out_shardings=state_shardings(plan))(key_data)
+
+
+def _leading_size(batch: PyTree) -> int:
+  leaf = jax.tree.leaves(batch)[0]
+  return math.prod(leaf.shape[:2])
+
+
+def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
+                 reduce_dtype, accum_dtype):
+  """Builds the per-device half of the step: (params, batch, rng) -> (grads, loss, aux)."""
+  dims, per_layer = plan.param_dims, plan.per_layer
+  dtypes = jax.tree.map(lambda x: x.dtype, plan.params)
+  stage, axes = plan.stage, plan.shard_axes
+  is_dim = lambda d: d is None
+  sharded = lambda d: d is not None
+
+  def materialize(p32):
+    """What the model sees: the params in their own dtype, gathered by the stage."""
+    def leaf(p, d, layered, dtype):
+      if stage < 3 or d is None:
+        return p.astype(dtype)
+      if layered:
+        return zero.Sharded(p, d - p.ndim, axes, dtype)
+      return zero.gather_leaf(p, d, axes, dtype)
+    return jax.tree.map(leaf, p32, dims, per_layer, dtypes, is_leaf=is_dim)
+
+  def scatter(g):
+    """Stage 2 reduce-scatters each microbatch's gradient (stage 3 already did)."""
+    if stage != 2:
+      return g
+    return jax.tree.map(
+        lambda g, d: g if d is None else jax.lax.psum_scatter(
+            g, axes, scatter_dimension=d, tiled=True),
+        g, dims, is_leaf=is_dim)
+
+  def finish(acc, scale):
+    """Sums over the mesh axes not yet reduced, in the reduce dtype, then averages."""
+    def leaf(g, d):
+      done = stage >= 2 and sharded(d)
+      over = plan.replica_axes if done else plan.data_axes
+      g = g.astype(reduce_dtype)
+      if over:
+        g = jax.lax.psum(g, over)
+      return g * jnp.asarray(scale, reduce_dtype)
+    return jax.tree.map(leaf, acc, dims, is_leaf=is_dim)
+
+  def acc_zeros(params):
+    def leaf(p, d):
+      done = stage == 2 and sharded(d)
+      shape = zero.local_shape(p.shape, d if done else None, plan.num_shards)
+      return jnp.zeros(shape, accum_dtype)
+    return jax.tree.map(leaf, params, dims, is_leaf=is_dim)
+
+  def local(params, batch, rng):
+    rng = jax.random.fold_in(jax.random.wrap_key_data(rng),
+                             jax.lax.axis_index(plan.data_axes))
+    p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
+    split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+    micro = jax.tree.map(split, batch)
+
+    def objective(p32, mb, key):
+      out = loss_fn(materialize(p32), mb, key)
+      loss, aux = out if isinstance(out, tuple) else (out, {})
+      return loss.astype(jnp.float32), aux
+
+    def body(acc, xs):
+      mb, i = xs
+      (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(
+          p32, mb, jax.random.fold_in(rng, i))
+      acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, scatter(g))
+      return acc, (loss, aux)
+
+    acc, (losses, aux) = jax.lax.scan(
+        body, acc_zeros(params), (micro, jnp.arange(microbatches)))
+    grads = finish(acc, 1.0 / (plan.num_data * microbatches))
+    mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
+    return grads, mean(losses), jax.tree.map(mean, aux)
+
+  return local
+
+
+def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
+                    tx: optax.GradientTransformation, *, microbatches: int = 1,
+                    max_grad_norm: float = 0.0,
+                    learning_rate: optax.ScalarOrSchedule | None = None,
+                    reduce_dtype: Any = jnp.float32, accum_dtype: Any = jnp.float32,
+                    donate: bool = True) -> Callable[[TrainState, PyTree],
+                                                     tuple[TrainState, dict]]:
+  """Returns the jitted `step(state, batch) -> (state, metrics)` for the plan's stage.
+
+  Args:
+    plan: the ZeRO plan of the params and optimizer state.
+    loss_fn: `(params, batch, rng) -> loss` or `(loss, aux_dict)`, the mean over the
+      examples it is given (one device's microbatch). At stage 3 the layer-stacked
+      params arrive as `zero.Sharded` leaves: call `zerojax.gather` on each layer's
+      slice inside the scan body.
+    tx: any optax transform. It runs on sharded arrays under GSPMD, so transforms
+      that reduce over the whole tree (global-norm clipping) stay correct.
+    microbatches: gradient accumulation steps; each device's batch slice is split
+      into this many equal microbatches.
+    max_grad_norm: clip the global gradient norm (computed in fp32) to this; 0 = off.
+    learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
+    reduce_dtype: dtype of every cross-device gradient reduction.
+    accum_dtype: dtype of the gradient accumulator over microbatches.
+    donate: donate the input state's buffers to the output.
+
+  Returns:
+    A `jax.jit` function (so `.lower(...)` works, e.g. on `abstract_state(plan)`).
+    `batch` is a pytree of arrays whose leading dimension is the
+    global batch, divisible by (data-parallel devices x microbatches). `metrics` holds
+    fp32 scalars: loss, grad_norm (before clipping), update_norm, learning_rate (if
+    given), tokens (product of the first batch leaf's two leading dims), and the
+    means of the loss_fn's aux values.
+  """
+  reduce_dtype, accum_dtype = jnp.dtype(reduce_dtype), jnp.dtype(accum_dtype)
+  local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype)
+
+  shardings = state_shardings(plan)
+  update_shardings = plan.shardings(plan.update_specs)
+
+  def step(state: TrainState, batch: PyTree):
+    params = state.params
+    rng = jax.random.key_data(jax.random.fold_in(
+        jax.random.wrap_key_data(state.rng), state.step))
+    grads, loss, aux = jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(plan.param_specs, plan.batch_spec, P()),
+        out_specs=(plan.grad_specs, P(), P()), check_vma=False)(params, batch, rng)
+
+    grad_norm = optax.global_norm(grads)
+    if max_grad_norm > 0:
+      factor = jnp.minimum(1.0, max_grad_norm / (grad_norm + 1e-6))
+      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+    # The update runs where each device holds only its shard of the optimizer state.
+    on_shards = lambda tree: jax.lax.with_sharding_constraint(tree, update_shardings)
+    updates, opt_state = tx.update(on_shards(grads), state.opt_state, on_shards(params))
+    # The state keeps the dtypes it was created with (fp32 grads would promote bf16
+    # moments otherwise, changing the state's type from step to step).
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state,
+                             state.opt_state)
+    # Back to the stage's layout: the all-gather of the updated params at stages 1, 2.
+    new_params = jax.lax.with_sharding_constraint(
+        optax.apply_updates(on_shards(params), updates), shardings.params)
+
+    metrics = dict(loss=loss, grad_norm=grad_norm,
+                   update_norm=optax.global_norm(updates).astype(jnp.float32),
+                   tokens=jnp.asarray(_leading_size(batch), jnp.float32), **aux)
+    if learning_rate is not None:
+      lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return TrainState(state.step + 1, new_params, opt_state, state.rng), metrics
+
+  batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
+  return jax.jit(step, in_shardings=(shardings, batch_sharding),
+                 out_shardings=(shardings, None),
+                 donate_argnums=(0,) if donate else ())
