@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.d_ff = 512  # Hidden width of each MLP block.
   c.model.n_layers = 4  # Blocks, run under lax.scan.
   c.model.context = 8  # Previous tokens each position mixes in (causal, per block).
+  c.model.remat = "dots"  # Backward-pass recompute per layer: none | full | dots (keep matmul outputs).
 
   c.data = ml_collections.ConfigDict()
   c.data.name = "stdlib"  # stdlib: bytes of the Python standard library's source (no download).

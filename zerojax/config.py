@@ -53,7 +53,8 @@ _ENUMS: dict[str, tuple[Any, ...]] = {
     "precision.param_dtype": _DTYPES, "precision.compute_dtype": _DTYPES,
     "precision.reduce_dtype": _DTYPES, "precision.accum_dtype": _DTYPES,
     "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "sgd"),
-    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("mlp_lm",), "data.name": ("stdlib",),
+    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("mlp_lm",), "model.remat": ("none", "full", "dots"),
+    "data.name": ("stdlib",),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat": "bfloat16", "fp32": "float32", "f32": "float32",
                   "float": "float32", "single": "float32", "fp16": "float16", "f16": "float16", "half": "float16"}

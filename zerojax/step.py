@@ -124,10 +124,11 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     """Sums over the mesh axes not yet reduced, in the reduce dtype, then averages."""
     def leaf(g, d):
       done = stage >= 2 and sharded(d)
-      over = plan.replica_axes if done else plan.data_axes
+      over = [a for a in (plan.replica_axes if done else plan.data_axes)
+              if plan.mesh.shape[a] > 1]
       g = g.astype(reduce_dtype)
       if over:
-        g = jax.lax.psum(g, over)
+        g = jax.lax.psum(g, tuple(over))
       return g * jnp.asarray(scale, reduce_dtype)
     return jax.tree.map(leaf, acc, dims, is_leaf=is_dim)
 
@@ -214,7 +215,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
         in_specs=(plan.param_specs, plan.batch_spec, P()),
         out_specs=(plan.grad_specs, P(), P()), check_vma=False)(params, batch, rng)
 
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     if max_grad_norm > 0:
       factor = jnp.minimum(1.0, max_grad_norm / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
@@ -231,7 +232,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
         optax.apply_updates(on_shards(params), updates), shardings.params)
 
     metrics = dict(loss=loss, grad_norm=grad_norm,
-                   update_norm=optax.global_norm(updates).astype(jnp.float32),
+                   update_norm=optax.tree.norm(updates).astype(jnp.float32),
                    tokens=jnp.asarray(_leading_size(batch), jnp.float32), **aux)
     if learning_rate is not None:
       lr = learning_rate(state.step) if callable(learning_rate) else learning_rate

@@ -96,7 +96,10 @@ def gather(tree: PyTree) -> PyTree:
 
   Call it on one layer's parameters inside the scan body. Outside a stage-3 step the
   tree holds no `Sharded` leaves and this is the identity, so models stay usable
-  without zerojax.
+  without zerojax. Wrap the scan body in `jax.checkpoint` with a policy that does not
+  save the gathered weights (`nothing_saveable`, `dots_with_no_batch_dims_saveable`):
+  without it the backward pass keeps every layer's gathered weights alive, which is
+  the whole model again.
 
   Args:
     tree: a pytree whose leaves are arrays or `Sharded`.

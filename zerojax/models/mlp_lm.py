@@ -19,6 +19,15 @@ from zerojax.zero import gather
 
 Params = dict[str, Any]
 
+# Per-layer rematerialization. Any policy here recomputes a stage-3 layer's gathered
+# weights in the backward pass (they are not matmul outputs), so the scan never keeps
+# all layers' gathered weights alive; "none" saves everything, gathered weights too.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class MlpLM:
@@ -28,6 +37,7 @@ class MlpLM:
   d_ff: int = 512
   n_layers: int = 4
   context: int = 8
+  remat: str = "dots"  # What the backward pass keeps: see `REMAT_POLICIES`.
   param_dtype: Any = jnp.float32
   compute_dtype: Any = jnp.float32
 
@@ -88,6 +98,8 @@ class MlpLM:
       h = jax.nn.gelu(h @ layer["w_in"].astype(cd)) @ layer["w_out"].astype(cd)
       return x + h, None
 
+    if self.remat != "none":
+      block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
     x, _ = jax.lax.scan(block, x, params["layers"])
     x = _rms_norm(x, params["final_norm"]).astype(cd)
     return (x @ params["head"].astype(cd)).astype(jnp.float32)
