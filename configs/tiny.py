@@ -16,7 +16,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.n_layers = 2
   c.train.seq_len = 64
   c.train.global_batch_size = 16  # Divisible by 1, 2, 4, 8 and 16 devices.
-  c.train.steps = 100
+  c.train.steps = 300
   c.train.log_every = 10
-  c.train.eval_every = 50
+  c.train.eval_every = 100
+  # A model this small tolerates a high peak rate; 3e-3 (the base default) ends ~0.4
+  # nats higher after 100 steps.
+  c.optimizer.learning_rate = 1e-2
   return c

@@ -27,8 +27,9 @@ def test_base_and_tiny_load_and_validate():
   assert base.zero.stage == 3 and base.mesh.fsdp == -1
   assert zc.resolve_mesh_shape(base, 8) == (1, 8)
   tiny = zc.load_config(TINY, num_devices=8)
-  assert (tiny.model.d_model, tiny.model.d_ff, tiny.model.n_layers) == (64, 256, 2)
-  assert (tiny.train.seq_len, tiny.train.global_batch_size, tiny.train.steps) == (64, 16, 100)
+  # tiny starts from base: same keys, only values differ.
+  assert tiny.to_dict().keys() == base.to_dict().keys()
+  assert tiny.model.d_model < base.model.d_model
   for n in (1, 2, 4, 8, 16):
     zc.validate(tiny, num_devices=n)
   zc.validate(zc.base_config())

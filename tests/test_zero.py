@@ -185,6 +185,17 @@ def test_metrics_and_clipping():
   assert float(m["tokens"]) == 16 * 17 and int(state.step) == 2
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_step_equals_plain_loss(stage):
+  model, tx = MlpLM(**SMALL), optax.sgd(0.1)
+  plan = setup(model, stage, (2, 4), tx)
+  state = zerojax.init_state(plan, model.init, tx, jax.random.PRNGKey(0))
+  batch = tokens()
+  loss = zerojax.make_eval_step(plan, model.loss)(state.params, batch)["loss"]
+  plain = model.loss(jax.tree.map(np.asarray, state.params), batch)
+  np.testing.assert_allclose(float(loss), float(plain), rtol=1e-6)
+
+
 def test_model_must_gather_its_shards_at_stage_3():
   model, tx = MlpLM(**SMALL), optax.sgd(0.1)
 

@@ -92,24 +92,29 @@ def _leading_size(batch: PyTree) -> int:
   return math.prod(leaf.shape[:2])
 
 
+def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
+  """What the model sees of one device's params: their own dtype, gathered by stage.
+
+  At stage 3 leaves the model gathers per layer become `zero.Sharded`, the other
+  sharded leaves are gathered here; below stage 3 params are whole already. `params`
+  may be in another dtype (the reduce dtype, when differentiating).
+  """
+  def leaf(p, d, layered, like):
+    if plan.stage < 3 or d is None:
+      return p.astype(like.dtype)
+    if layered:
+      return zero.Sharded(p, d - p.ndim, plan.shard_axes, like.dtype)
+    return zero.gather_leaf(p, d, plan.shard_axes, like.dtype)
+  return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, plan.params,
+                      is_leaf=lambda d: d is None)
+
+
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
                  reduce_dtype, accum_dtype):
   """Builds the per-device half of the step: (params, batch, rng) -> (grads, loss, aux)."""
-  dims, per_layer = plan.param_dims, plan.per_layer
-  dtypes = jax.tree.map(lambda x: x.dtype, plan.params)
-  stage, axes = plan.stage, plan.shard_axes
+  dims, stage, axes = plan.param_dims, plan.stage, plan.shard_axes
   is_dim = lambda d: d is None
   sharded = lambda d: d is not None
-
-  def materialize(p32):
-    """What the model sees: the params in their own dtype, gathered by the stage."""
-    def leaf(p, d, layered, dtype):
-      if stage < 3 or d is None:
-        return p.astype(dtype)
-      if layered:
-        return zero.Sharded(p, d - p.ndim, axes, dtype)
-      return zero.gather_leaf(p, d, axes, dtype)
-    return jax.tree.map(leaf, p32, dims, per_layer, dtypes, is_leaf=is_dim)
 
   def scatter(g):
     """Stage 2 reduce-scatters each microbatch's gradient (stage 3 already did)."""
@@ -147,7 +152,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     micro = jax.tree.map(split, batch)
 
     def objective(p32, mb, key):
-      out = loss_fn(materialize(p32), mb, key)
+      out = loss_fn(_materialize(plan, p32), mb, key)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       return loss.astype(jnp.float32), aux
 
@@ -243,3 +248,30 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   return jax.jit(step, in_shardings=(shardings, batch_sharding),
                  out_shardings=(shardings, None),
                  donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, PyTree], dict]:
+  """Returns the jitted `eval_step(params, batch) -> metrics`, gathering as training does.
+
+  Args:
+    plan: the ZeRO plan; at stage 3 the params stay sharded and the model gathers one
+      layer at a time, as in the train step.
+    loss_fn: as for `make_train_step`; it gets a fixed rng (evaluation is deterministic).
+
+  Returns:
+    A `jax.jit` function of (params laid out by the plan, global batch) whose metrics
+    are the fp32 means over the batch: loss and the loss_fn's aux values.
+  """
+  def local(params, batch):
+    out = loss_fn(_materialize(plan, params), batch, jax.random.key(0))
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
+    return dict(loss=mean(loss), **jax.tree.map(mean, aux))
+
+  def evaluate(params, batch):
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, plan.batch_spec),
+                         out_specs=P(), check_vma=False)(params, batch)
+
+  return jax.jit(evaluate, in_shardings=(
+      plan.shardings(plan.param_specs),
+      jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)))
