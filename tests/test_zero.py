@@ -196,6 +196,15 @@ def test_eval_step_equals_plain_loss(stage):
   np.testing.assert_allclose(float(loss), float(plain), rtol=1e-6)
 
 
+def test_indivisible_batch_is_a_clear_error():
+  model, tx = MlpLM(**SMALL), optax.sgd(0.1)
+  plan = setup(model, 2, (2, 4), tx)
+  state = zerojax.init_state(plan, model.init, tx, jax.random.PRNGKey(0))
+  step = zerojax.make_train_step(plan, model.loss, tx, microbatches=2)
+  with pytest.raises(ValueError, match=r"\['tokens'\].*divisible by 16"):
+    step(state, tokens(batch=8))
+
+
 def test_model_must_gather_its_shards_at_stage_3():
   model, tx = MlpLM(**SMALL), optax.sgd(0.1)
 

@@ -92,6 +92,16 @@ def _leading_size(batch: PyTree) -> int:
   return math.prod(leaf.shape[:2])
 
 
+def _check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
+  """A clear error at trace time instead of a shape error deep inside shard_map."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    if not leaf.shape or leaf.shape[0] % multiple:
+      raise ValueError(
+          f"batch leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}: its leading "
+          f"(example) dimension must be divisible by {multiple} = data-parallel devices "
+          f"({multiple // microbatches}) x microbatches ({microbatches})")
+
+
 def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
   """What the model sees of one device's params: their own dtype, gathered by stage.
 
@@ -212,6 +222,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   update_shardings = plan.shardings(plan.update_specs)
 
   def step(state: TrainState, batch: PyTree):
+    _check_batch(batch, plan.num_data * microbatches, microbatches)
     params = state.params
     rng = jax.random.key_data(jax.random.fold_in(
         jax.random.wrap_key_data(state.rng), state.step))
