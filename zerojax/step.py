@@ -244,8 +244,10 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state,
                              state.opt_state)
     # Back to the stage's layout: the all-gather of the updated params at stages 1, 2.
+    # Pinning the result to the shards first keeps the gather after the rounding to the
+    # param dtype; otherwise GSPMD gathers the fp32 sum and halves nothing.
     new_params = jax.lax.with_sharding_constraint(
-        optax.apply_updates(on_shards(params), updates), shardings.params)
+        on_shards(optax.apply_updates(on_shards(params), updates)), shardings.params)
 
     metrics = dict(loss=loss, grad_norm=grad_norm,
                    update_norm=optax.tree.norm(updates).astype(jnp.float32),
