@@ -24,6 +24,7 @@ import functools
 import math
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -118,6 +119,23 @@ def gather(tree: PyTree) -> PyTree:
 def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
   """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`."""
   return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
+
+
+def flax_logical_axes(boxed_params: PyTree) -> PyTree:
+  """Axis names of flax params boxed by `nn.with_logical_partitioning` (or `nn.Partitioned`).
+
+  Args:
+    boxed_params: params as `model.init` returns them (or `jax.eval_shape` of it),
+      before `nn.unbox`.
+
+  Returns:
+    A pytree matching the unboxed params whose leaves are tuples of axis names (None
+    for a leaf without metadata), for `make_plan(logical_axes=...)`. `nn.scan` with
+    `metadata_params={nn.PARTITION_NAME: 'layers'}` adds the 'layers' axis.
+  """
+  boxed = lambda x: isinstance(x, nn.Partitioned)
+  return jax.tree.map(lambda x: tuple(x.names) if boxed(x) else None, boxed_params,
+                      is_leaf=boxed)
 
 
 def _shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
