@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import zerojax
-from zerojax import data, optim
+from zerojax import data, optim, precision
 from zerojax.config import exit_on_config_error, load_config, parse_argv
 from zerojax.mesh import mesh_from_config
 from zerojax.models.mlp_lm import MlpLM
@@ -67,16 +67,18 @@ def main(argv: list[str]) -> int:
                 n_layers=c.model.n_layers, context=c.model.context, remat=c.model.remat,
                 param_dtype=jnp.dtype(c.precision.param_dtype),
                 compute_dtype=jnp.dtype(c.precision.compute_dtype))
-  tx, schedule = optim.optimizer_from_config(c.optimizer, t.steps)
+  tx, schedule = optim.optimizer_from_config(
+      c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
+  loss_scaling = precision.loss_scaling_from_config(c.precision)
   key = jax.random.key(c.seed)
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, key), tx,
                            logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size)
-  state = zerojax.init_state(plan, model.init, tx, key)
+  state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
   train_step = zerojax.make_train_step(
       plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
       learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
-      accum_dtype=c.precision.accum_dtype)
+      accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
   eval_step = zerojax.make_eval_step(plan, model.loss)
 
@@ -115,11 +117,22 @@ def main(argv: list[str]) -> int:
 
   eval_loss = evaluate()
   log(c.workdir, f"step {0:5d}  eval_loss {eval_loss:.4f}", step=0, eval_loss=eval_loss)
-  tick, tokens_seen = time.perf_counter(), 0
+  tick, tokens_seen, previous = time.perf_counter(), 0, None
+
+  def check_skips(step, metrics):
+    m = {k: float(metrics[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
+    line = precision.check_skips(step, m, c.precision.max_consecutive_skips)
+    if line:
+      log(c.workdir, line, step=step, skipped=True, loss_scale=m["loss_scale"])
+
   for step in range(1, t.steps + 1):
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
     state, metrics = train_step(state, batch(train_tokens, step - 1, c.seed))
     tokens_seen += t.global_batch_size * t.seq_len
+    # Skips are checked one step late, so reading them never stalls the device queue.
+    if previous:
+      check_skips(*previous)
+    previous = (step, metrics)
     if step % t.log_every == 0 or step in (1, t.steps):
       m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # Waits for the step.
       now = time.perf_counter()
@@ -130,11 +143,20 @@ def main(argv: list[str]) -> int:
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
       eval_loss = evaluate()
       log(c.workdir, f"step {step:5d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+  check_skips(*previous)
   log(c.workdir, f"done: {t.steps} steps  final train loss {m['loss']:.4f}  "
       f"final eval loss {eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
       final_eval_loss=eval_loss)
   return 0
 
 
+def run(argv: list[str]) -> int:
+  try:
+    return main(argv)
+  except precision.NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 3
+
+
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(run(sys.argv[1:]))

@@ -23,19 +23,27 @@ def get_config() -> ml_collections.ConfigDict:
   c.zero.min_shard_size = 4096  # Leaves with fewer elements stay replicated (DeepSpeed's persistence threshold).
 
   c.precision = ml_collections.ConfigDict()
-  c.precision.param_dtype = "bfloat16"  # Stored parameters: float32 | bfloat16.
-  c.precision.compute_dtype = "bfloat16"  # Activations and matmuls: float32 | bfloat16.
+  c.precision.param_dtype = "bfloat16"  # Stored parameters: float32 | bfloat16 | float16.
+  c.precision.compute_dtype = "bfloat16"  # Activations and matmuls: float32 | bfloat16 | float16.
   c.precision.reduce_dtype = "float32"  # Cross-device gradient reductions: float32 | bfloat16.
   c.precision.accum_dtype = "float32"  # Gradient accumulation over microbatches: float32 | bfloat16.
+  c.precision.max_consecutive_skips = 10  # Stop after this many non-finite steps in a row; 0 = never.
+  c.precision.loss_scale = ml_collections.ConfigDict()  # Dynamic loss scaling, used with float16 only.
+  c.precision.loss_scale.initial_power = 16  # The first scale is 2**initial_power.
+  c.precision.loss_scale.window = 1000  # Finite steps in a row before the scale doubles.
+  c.precision.loss_scale.hysteresis = 2  # Overflows in a row tolerated before it halves.
+  c.precision.loss_scale.min_scale = 1.0  # The scale never goes below this.
 
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # adamw | sgd.
+  c.optimizer.name = "adamw"  # adamw | lion | sgd.
+  c.optimizer.state_dtype = "bfloat16"  # Every moment (Adam's mu and nu too): float32 | bfloat16.
+  c.optimizer.update_rule = "kahan"  # How updates land on low-precision params: nearest | kahan | stochastic | master.
   c.optimizer.learning_rate = 3e-3  # Peak learning rate.
   c.optimizer.schedule = "cosine"  # constant | cosine | linear (decay after warmup).
   c.optimizer.warmup_steps = 20  # Linear warmup from 0 to the peak.
   c.optimizer.min_lr_ratio = 0.1  # Final learning rate as a fraction of the peak (cosine, linear).
-  c.optimizer.b1 = 0.9  # AdamW first-moment decay.
-  c.optimizer.b2 = 0.95  # AdamW second-moment decay.
+  c.optimizer.b1 = 0.9  # AdamW first-moment decay; Lion's interpolation.
+  c.optimizer.b2 = 0.95  # AdamW second-moment decay; Lion's momentum decay.
   c.optimizer.eps = 1e-8  # AdamW epsilon.
   c.optimizer.weight_decay = 0.1  # Decoupled weight decay (AdamW) or L2 (sgd).
   c.optimizer.momentum = 0.9  # SGD momentum; 0 disables it.

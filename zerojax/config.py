@@ -29,12 +29,14 @@ import ml_collections
 
 _BASE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
 _DTYPES = ("float32", "bfloat16")
-_FLOAT16 = ("float16 needs dynamic loss scaling, which zerojax does not have yet",
-            "use bfloat16 (same range as float32, no loss scaling needed)")
+_PARAM_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT16 = ("float16 sums of many gradients overflow (max 65504)",
+            "use float32 (the default) or bfloat16 for reductions and accumulation")
 # Hand-written names that DeepSpeed / PyTorch users type, mapped to where the
 # setting lives here: difflib cannot guess `train_batch_size` -> global_batch_size.
-_PRECISION = "precision settings are under precision.param_dtype / precision.compute_dtype (float32 | bfloat16)"
-_FP16 = f"{_PRECISION}; {_FLOAT16[0]}: {_FLOAT16[1]}"
+_PRECISION = ("precision settings are under precision.param_dtype / precision.compute_dtype "
+              "(float32 | bfloat16 | float16)")
+_FP16 = f"{_PRECISION}; float16 turns on dynamic loss scaling, tuned under precision.loss_scale.*"
 _ALIASES = {
     "bf16": _PRECISION, "bfloat16": _PRECISION, "amp": _PRECISION, "dtype": _PRECISION,
     "mixed_precision": _PRECISION, "fp16": _FP16, "float16": _FP16,
@@ -50,9 +52,11 @@ _ALIASES = {
     "train_steps": "use train.steps", "total_steps": "use train.steps",
 }
 _ENUMS: dict[str, tuple[Any, ...]] = {
-    "precision.param_dtype": _DTYPES, "precision.compute_dtype": _DTYPES,
+    "precision.param_dtype": _PARAM_DTYPES, "precision.compute_dtype": _PARAM_DTYPES,
     "precision.reduce_dtype": _DTYPES, "precision.accum_dtype": _DTYPES,
-    "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "sgd"),
+    "optimizer.state_dtype": _DTYPES,
+    "optimizer.update_rule": ("nearest", "kahan", "stochastic", "master"),
+    "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "lion", "sgd"),
     "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("mlp_lm",), "model.remat": ("none", "full", "dots"),
     "data.name": ("stdlib",),
 }
@@ -74,6 +78,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.eval_batches": (lambda v: v >= 1, ">= 1"), "model.vocab_size": _POS, "model.d_model": _POS,
     "model.d_ff": _POS, "model.n_layers": _POS, "model.context": (lambda v: v >= 1, ">= 1"),
     "data.eval_fraction": (lambda v: 0 < v <= 0.5, "in (0, 0.5]"),
+    "precision.loss_scale.initial_power": (lambda v: 0 <= v <= 40, "in [0, 40]"),
+    "precision.loss_scale.window": (lambda v: v >= 1, ">= 1"),
+    "precision.loss_scale.hysteresis": (lambda v: v >= 1, ">= 1"),
+    "precision.loss_scale.min_scale": _POS, "precision.max_consecutive_skips": _NONNEG,
 }
 Source = str | Mapping[str, str]
 
@@ -211,7 +219,7 @@ def _check_value(key: str, value: Any, default: Any, source: str) -> None:
     raise ConfigError(f"must be a finite number, got {value!r}.", key=key, source=source)
   if key in _ENUMS and value not in _ENUMS[key]:
     allowed = ", ".join(map(repr, _ENUMS[key]))
-    if key.startswith("precision."):
+    if key.startswith("precision.") or key == "optimizer.state_dtype":
       canonical = _DTYPE_ALIASES.get(re.sub(r"^(jnp|np|torch|jax\.numpy|numpy)\.", "", value.lower()), value.lower())
       if canonical == "float16":
         raise ConfigError(f"is {value!r}, but {_FLOAT16[0]}.", key=key, source=source, fix=_FLOAT16[1])
@@ -276,6 +284,33 @@ def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: 
                           "or change train.microbatches")
 
 
+def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
+  """Dtype combinations that cannot work, or silently do nothing."""
+  p, o = config.precision, config.optimizer
+  where = lambda *keys: _source_of(source, *keys)
+  low = {p.param_dtype, p.compute_dtype} - {"float32"}
+  if len(low) > 1:
+    raise ConfigError(f"param_dtype={p.param_dtype!r} with compute_dtype={p.compute_dtype!r} mixes "
+                      "float16 and bfloat16.", key="precision.compute_dtype",
+                      source=where("precision.param_dtype", "precision.compute_dtype"),
+                      fix="use the same 16-bit format for both (bfloat16 needs no loss scaling)")
+  if o.update_rule == "stochastic" and p.param_dtype != "bfloat16":
+    raise ConfigError(f"stochastic rounding is implemented for bfloat16 params, not {p.param_dtype}.",
+                      key="optimizer.update_rule", source=where("optimizer.update_rule", "precision.param_dtype"),
+                      fix="use update_rule 'kahan' (any dtype) or param_dtype 'bfloat16'")
+  if o.update_rule in ("kahan", "master") and p.param_dtype == "float32":
+    raise ConfigError(f"update_rule {o.update_rule!r} compensates low-precision params, but params are "
+                      "float32: it would only spend memory.", key="optimizer.update_rule",
+                      source=where("optimizer.update_rule", "precision.param_dtype"),
+                      fix="use update_rule 'nearest' with float32 params")
+  # A bf16 second moment cannot decay: nu * b2 rounds back to nu when 1 - b2 < 2^-9.
+  if o.name == "adamw" and o.state_dtype == "bfloat16" and 1 - o.b2 < 2 ** -8:
+    raise ConfigError(f"b2={o.b2} with bfloat16 optimizer state: each step shrinks nu by {1 - o.b2:.2g}, "
+                      "under bfloat16's resolution, so nu never decays.", key="optimizer.b2",
+                      source=where("optimizer.b2", "optimizer.state_dtype"),
+                      fix="use b2 <= 0.996 (e.g. 0.95) or optimizer.state_dtype='float32'")
+
+
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
              source: Source = "the config") -> None:
   """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
@@ -297,6 +332,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       f"{config.train.steps}.", key="optimizer.warmup_steps",
                       source=_source_of(source, "optimizer.warmup_steps", "train.steps"),
                       fix=f"use optimizer.warmup_steps <= {config.train.steps}")
+  _check_precision(config, source)
   if config.model.context > config.train.seq_len:
     raise ConfigError(f"context {config.model.context} is longer than train.seq_len={config.train.seq_len}.",
                       key="model.context", source=_source_of(source, "model.context", "train.seq_len"),

@@ -1,11 +1,309 @@
-"""Optimizers and learning-rate schedules from the `optimizer` section of a config.
+"""Optimizers for low-precision parameters, as optax transforms.
 
-Gradient clipping is deliberately not part of these chains: the train step clips by
-the fp32 global norm of the reduced gradients itself (`make_train_step(max_grad_norm=)`),
-so the clip sees exactly the gradient the update uses, whatever the optimizer.
+Two independent choices make a recipe:
+
+* **state dtype**: every moment (Adam's `mu` *and* `nu`, Lion's and SGD's momentum) is
+  stored in `state_dtype` (fp32 or bf16) and computed in fp32. optax keeps Adam's `nu`
+  in the parameter dtype whatever `mu_dtype` says, so these are zerojax's own.
+* **update rule**: how the fp32 update reaches a bf16 parameter (`with_update_rule`):
+  - `nearest`: round to nearest, what `optax.apply_updates` does. An update smaller
+    than half an ulp of the weight is lost: training stalls.
+  - `kahan`: a compensation buffer in the parameter dtype carries each step's rounding
+    error into the next (2 bytes/param for bf16).
+  - `stochastic`: round up or down at random with the probabilities that make the
+    rounding unbiased (no memory).
+  - `master`: an fp32 copy of the params that the inner transform updates; the bf16
+    params are its rounding (DeepSpeed's bf16 mode, 4 bytes/param).
+
+`with_update_rule` wraps any `GradientTransformation`, so it composes with optax's
+transforms, and it returns updates `u` such that `optax.apply_updates(p, u)` lands
+exactly on the new parameter it chose: `u = p_new - p` in fp32, which is exact, and
+`p + u` in fp32 rounds back to `p_new`. Every other part of a training loop (the
+ZeRO step, clipping, schedules) stays plain optax. Weight decay is part of the inner
+transform's update, so it goes through the same compensated rounding: a bf16 multiply
+by `1 - lr * wd` rounds back to the weight itself once `lr * wd < 2^-9`.
+
+Rounding is forced with `lax.reduce_precision`: XLA may keep bf16 arithmetic in fp32
+and drop an f32 -> bf16 -> f32 round trip (`xla_allow_excess_precision`), which would
+silently zero a compensation computed as `s - f32(bf16(s))`.
+
+Gradient clipping is deliberately not in these chains: the train step clips by the
+fp32 global norm of the reduced gradients itself (`make_train_step(max_grad_norm=)`).
 """
 
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import optax
+
+PyTree = Any
+UPDATE_RULES = ("nearest", "kahan", "stochastic", "master")
+
+
+# --- Rounding -------------------------------------------------------------------------
+
+
+def round_to(x: jax.Array, dtype: Any) -> jax.Array:
+  """`x` rounded to nearest in `dtype`'s format, kept in `x`'s dtype; never elided."""
+  info = jnp.finfo(dtype)
+  if info.bits >= jnp.finfo(x.dtype).bits:
+    return x
+  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+  """Unbiased stochastic rounding of fp32 `x` to bf16: E[result] = x.
+
+  Adds 16 random bits below bf16's last mantissa bit and truncates: the magnitude
+  rounds up with probability equal to the dropped fraction of an ulp (sign-magnitude
+  makes it symmetric for negatives).
+
+  Args:
+    x: float32 array.
+    dtype: bfloat16 (float32 returns `x`).
+    key: a PRNG key.
+
+  Returns:
+    float32 array whose values are exactly representable in bf16.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return x
+  if dtype != jnp.bfloat16 or x.dtype != jnp.float32:
+    raise ValueError(f"stochastic rounding goes from float32 to bfloat16, not "
+                     f"{x.dtype} to {dtype}")
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32)
+
+
+# --- Update rules ---------------------------------------------------------------------
+
+
+class KahanState(NamedTuple):
+  """`compensation`: per param, the rounding error not yet applied (param dtype)."""
+  inner: optax.OptState
+  compensation: PyTree
+
+
+class MasterState(NamedTuple):
+  """`master`: the fp32 params the inner transform updates."""
+  inner: optax.OptState
+  master: PyTree
+
+
+class StochasticState(NamedTuple):
+  """`key`: uint32[2] key data, split every step."""
+  inner: optax.OptState
+  key: jax.Array
+
+
+def _f32(x):
+  return x.astype(jnp.float32)
+
+
+def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
+                     seed: int = 0) -> optax.GradientTransformation:
+  """Makes `inner`'s updates land on low-precision params by `rule`.
+
+  Args:
+    inner: any optax transform producing the (fp32) update for each param.
+    rule: one of `UPDATE_RULES`.
+    seed: seeds the stochastic-rounding stream (rule 'stochastic').
+
+  Returns:
+    A transform whose updates `u` (fp32) make `optax.apply_updates(p, u)` equal the
+    rounded new params exactly. Its state adds, per rule: nothing ('nearest'), a
+    compensation buffer in the param dtype ('kahan'), a PRNG key ('stochastic'), fp32
+    master params ('master'). Those buffers mirror the params, so a ZeRO plan shards
+    them like the moments.
+  """
+  if rule not in UPDATE_RULES:
+    raise ValueError(f"unknown update rule {rule!r}; use one of {UPDATE_RULES}")
+  if rule == "nearest":
+    return inner
+
+  def land(params, new):
+    """fp32 updates that take each param exactly to `new` (fp32, representable)."""
+    return jax.tree.map(lambda p, n: n - _f32(p), params, new)
+
+  if rule == "kahan":
+    def init(params):
+      return KahanState(inner.init(params), jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params):
+      u, inner_state = inner.update(grads, state.inner, params)
+      exact = jax.tree.map(lambda p, u, c: _f32(p) + _f32(u) + _f32(c),
+                           params, u, state.compensation)
+      new = jax.tree.map(lambda s, p: round_to(s, p.dtype), exact, params)
+      compensation = jax.tree.map(lambda s, n, c: round_to(s - n, c.dtype).astype(c.dtype),
+                                  exact, new, state.compensation)
+      return land(params, new), KahanState(inner_state, compensation)
+
+  elif rule == "stochastic":
+    def init(params):
+      return StochasticState(inner.init(params),
+                             jax.random.key_data(jax.random.key(seed)))
+
+    def update(grads, state, params):
+      u, inner_state = inner.update(grads, state.inner, params)
+      key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+      leaves, treedef = jax.tree.flatten(params)
+      keys = jax.random.split(step_key, len(leaves))
+      new = [stochastic_round(_f32(p) + _f32(u), p.dtype, k)
+             for p, u, k in zip(leaves, treedef.flatten_up_to(u), keys)]
+      return (land(params, treedef.unflatten(new)),
+              StochasticState(inner_state, jax.random.key_data(key)))
+
+  else:  # master
+    def init(params):
+      master = jax.tree.map(_f32, params)
+      return MasterState(inner.init(master), master)
+
+    def update(grads, state, params):
+      u, inner_state = inner.update(grads, state.inner, state.master)
+      master = jax.tree.map(lambda m, u: m + _f32(u), state.master, u)
+      new = jax.tree.map(lambda m, p: round_to(m, p.dtype), master, params)
+      return land(params, new), MasterState(inner_state, master)
+
+  return optax.GradientTransformation(init, update)
+
+
+# --- Moments in a chosen dtype --------------------------------------------------------
+
+
+class ScaleByAdamState(NamedTuple):
+  count: jax.Array  # int32 scalar: updates taken.
+  mu: PyTree  # First moment, state_dtype.
+  nu: PyTree  # Second moment, state_dtype.
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+  """Adam's direction, with both moments stored in `state_dtype`.
+
+  With g the fp32 gradient and t the step (from 1):
+  mu = b1 mu + (1 - b1) g,  nu = b2 nu + (1 - b2) g^2,
+  u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps), all in fp32; mu and nu are
+  then stored in `state_dtype`.
+  """
+  def init(params):
+    zeros = lambda p: jnp.zeros(p.shape, state_dtype)
+    return ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params),
+                            jax.tree.map(zeros, params))
+
+  def update(grads, state, params=None):
+    del params
+    count = state.count + 1
+    mu = jax.tree.map(lambda m, g: b1 * _f32(m) + (1 - b1) * _f32(g), state.mu, grads)
+    nu = jax.tree.map(lambda v, g: b2 * _f32(v) + (1 - b2) * jnp.square(_f32(g)),
+                      state.nu, grads)
+    c1 = 1 - b1 ** count.astype(jnp.float32)
+    c2 = 1 - b2 ** count.astype(jnp.float32)
+    u = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+    store = lambda t: jax.tree.map(lambda x: x.astype(state_dtype), t)
+    return u, ScaleByAdamState(count, store(mu), store(nu))
+
+  return optax.GradientTransformation(init, update)
+
+
+class MomentumState(NamedTuple):
+  mu: PyTree  # state_dtype.
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
+                  state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+  """Lion's direction: u = sign(b1 mu + (1 - b1) g), then mu = b2 mu + (1 - b2) g."""
+  def init(params):
+    return MomentumState(jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype), params))
+
+  def update(grads, state, params=None):
+    del params
+    u = jax.tree.map(lambda m, g: jnp.sign(b1 * _f32(m) + (1 - b1) * _f32(g)),
+                     state.mu, grads)
+    mu = jax.tree.map(lambda m, g: (b2 * _f32(m) + (1 - b2) * _f32(g)).astype(state_dtype),
+                      state.mu, grads)
+    return u, MomentumState(mu)
+
+  return optax.GradientTransformation(init, update)
+
+
+def trace(momentum: float, nesterov: bool = False,
+          state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
+  """SGD momentum: mu = momentum mu + g; u = mu, or g + momentum mu (Nesterov)."""
+  def init(params):
+    return MomentumState(jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype), params))
+
+  def update(grads, state, params=None):
+    del params
+    mu = jax.tree.map(lambda m, g: momentum * _f32(m) + _f32(g), state.mu, grads)
+    u = jax.tree.map(lambda m, g: _f32(g) + momentum * m, mu, grads) if nesterov else mu
+    return u, MomentumState(jax.tree.map(lambda m: m.astype(state_dtype), mu))
+
+  return optax.GradientTransformation(init, update)
+
+
+# --- Optimizers -----------------------------------------------------------------------
+
+Mask = PyTree | Callable[[PyTree], PyTree] | None
+
+
+def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, weight_decay: float = 0.0, *, state_dtype: Any = jnp.float32,
+          update_rule: str = "nearest", mask: Mask = None,
+          seed: int = 0) -> optax.GradientTransformation:
+  """AdamW: p <- p - lr * (adam(g) + weight_decay * p), landed by `update_rule`.
+
+  Args:
+    learning_rate: a float or an optax schedule of the step.
+    b1, b2, eps: Adam's hyper-parameters (`scale_by_adam`).
+    weight_decay: decoupled weight decay, multiplied by the learning rate.
+    state_dtype: dtype of both moments (float32 or bfloat16).
+    update_rule: one of `UPDATE_RULES`.
+    mask: which params decay (a pytree of bools or a function of the params).
+    seed: stochastic-rounding seed.
+  """
+  return with_update_rule(optax.chain(
+      scale_by_adam(b1, b2, eps, state_dtype),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+
+
+def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
+         weight_decay: float = 0.0, *, state_dtype: Any = jnp.float32,
+         update_rule: str = "nearest", mask: Mask = None,
+         seed: int = 0) -> optax.GradientTransformation:
+  """Lion: p <- p - lr * (sign(b1 mu + (1 - b1) g) + weight_decay * p)."""
+  return with_update_rule(optax.chain(
+      scale_by_lion(b1, b2, state_dtype),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+
+
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.0,
+        nesterov: bool = False, weight_decay: float = 0.0, *,
+        state_dtype: Any = jnp.float32, update_rule: str = "nearest", mask: Mask = None,
+        seed: int = 0) -> optax.GradientTransformation:
+  """SGD with L2 weight decay (added to the gradient) and optional (Nesterov) momentum."""
+  parts = [optax.add_decayed_weights(weight_decay, mask)]
+  if momentum:
+    parts.append(trace(momentum, nesterov, state_dtype))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  return with_update_rule(optax.chain(*parts), update_rule, seed=seed)
+
+
+def decay_mask(logical_axes: PyTree) -> PyTree:
+  """Decay matrices only: leaves with two or more axes besides a stacked 'layers' axis.
+
+  Norm scales and biases (one axis per layer) are left alone, as is usual for LLMs.
+  """
+  return jax.tree.map(lambda names: sum(n != "layers" for n in names) >= 2, logical_axes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+# --- From a config --------------------------------------------------------------------
 
 
 def learning_rate_schedule(cfg_optimizer, total_steps: int) -> optax.Schedule:
@@ -33,29 +331,22 @@ def learning_rate_schedule(cfg_optimizer, total_steps: int) -> optax.Schedule:
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def optimizer_from_config(cfg_optimizer, total_steps: int
+def optimizer_from_config(cfg_optimizer, total_steps: int, *, mask: Mask = None,
+                          seed: int = 0
                           ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optax transform and its schedule.
-
-  adamw: optax.adamw with (b1, b2, eps, weight_decay), decoupled weight decay.
-  sgd: weight decay (`add_decayed_weights`, i.e. L2 on the gradient), then SGD with
-  (momentum, nesterov); momentum 0 keeps no momentum buffer.
-
-  Args:
-    cfg_optimizer: the config's `optimizer` section.
-    total_steps: steps of the run, for the schedule.
+  """The optax transform and its schedule, from the config's `optimizer` section.
 
   Returns:
     (tx, schedule): the schedule is also what the step reports as `learning_rate`.
   """
   c = cfg_optimizer
   schedule = learning_rate_schedule(c, total_steps)
+  common = dict(weight_decay=c.weight_decay, state_dtype=jnp.dtype(c.state_dtype),
+                update_rule=c.update_rule, mask=mask, seed=seed)
   if c.name == "adamw":
-    tx = optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
-  elif c.name == "sgd":
-    tx = optax.chain(
-        optax.add_decayed_weights(c.weight_decay),
-        optax.sgd(schedule, momentum=c.momentum or None, nesterov=c.nesterov))
-  else:
-    raise ValueError(f"unknown optimizer {c.name!r}; use adamw or sgd")
-  return tx, schedule
+    return adamw(schedule, c.b1, c.b2, c.eps, **common), schedule
+  if c.name == "lion":
+    return lion(schedule, c.b1, c.b2, **common), schedule
+  if c.name == "sgd":
+    return sgd(schedule, c.momentum, c.nesterov, **common), schedule
+  raise ValueError(f"unknown optimizer {c.name!r}; use adamw, lion or sgd")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import zero
+from zerojax import precision, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -41,30 +41,35 @@ class TrainState(NamedTuple):
     opt_state: the optax state, laid out by the plan.
     rng: uint32[2] key data; each step folds in its step number (and each device its
       index), so randomness is a pure function of (seed, step, device).
+    loss_scale: the loss-scale and skipped-step counters (`precision.LossScale`).
   """
   step: jax.Array
   params: PyTree
   opt_state: PyTree
   rng: jax.Array
+  loss_scale: precision.LossScale
 
 
 def state_shardings(plan: zero.ZeroPlan) -> TrainState:
   """The NamedSharding of every leaf of the train state."""
+  scalars = precision.LossScale(P(), P(), P(), P())
   return plan.shardings(TrainState(step=P(), params=plan.param_specs,
-                                   opt_state=plan.opt_specs, rng=P()))
+                                   opt_state=plan.opt_specs, rng=P(), loss_scale=scalars))
 
 
 def abstract_state(plan: zero.ZeroPlan) -> TrainState:
   """The train state as sharded `jax.ShapeDtypeStruct`s: lower a step without memory."""
   shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), plan.params, plan.opt_state,
-                      jax.ShapeDtypeStruct((2,), jnp.uint32))
+                      jax.ShapeDtypeStruct((2,), jnp.uint32),
+                      jax.eval_shape(precision.init_loss_scale))
   return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       shapes, state_shardings(plan))
 
 
 def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
-               tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+               tx: optax.GradientTransformation, rng: jax.Array,
+               loss_scaling: precision.LossScaling = precision.NO_SCALING) -> TrainState:
   """Creates the train state already sharded: no leaf is ever whole on one device.
 
   Args:
@@ -72,6 +77,7 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     init_fn: `rng -> params`.
     tx: the optimizer.
     rng: a PRNG key (raw uint32[2] or typed).
+    loss_scaling: sets the initial loss scale (fp16); the default is a static 1.
 
   Returns:
     The `TrainState`, each leaf with the sharding the plan gives it.
@@ -82,7 +88,8 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     init_key, state_key = jax.random.split(jax.random.wrap_key_data(key_data))
     params = init_fn(init_key)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
-                      jax.random.key_data(state_key))
+                      jax.random.key_data(state_key),
+                      precision.init_loss_scale(loss_scaling))
 
   return jax.jit(init, out_shardings=state_shardings(plan))(key_data)
 
@@ -121,7 +128,7 @@ def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
 
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
                  reduce_dtype, accum_dtype):
-  """Builds the per-device half of the step: (params, batch, rng) -> (grads, loss, aux)."""
+  """Builds the per-device half: (params, batch, rng, loss scale) -> (grads, loss, aux)."""
   dims, stage, axes = plan.param_dims, plan.stage, plan.shard_axes
   is_dim = lambda d: d is None
   sharded = lambda d: d is not None
@@ -154,7 +161,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
       return jnp.zeros(shape, accum_dtype)
     return jax.tree.map(leaf, params, dims, is_leaf=is_dim)
 
-  def local(params, batch, rng):
+  def local(params, batch, rng, scale):
     rng = jax.random.fold_in(jax.random.wrap_key_data(rng),
                              jax.lax.axis_index(plan.data_axes))
     p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
@@ -164,18 +171,19 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     def objective(p32, mb, key):
       out = loss_fn(_materialize(plan, p32), mb, key)
       loss, aux = out if isinstance(out, tuple) else (out, {})
-      return loss.astype(jnp.float32), aux
+      loss = loss.astype(jnp.float32)
+      return loss * scale, (loss, aux)  # fp16: scaled so small gradients survive.
 
     def body(acc, xs):
       mb, i = xs
-      (loss, aux), g = jax.value_and_grad(objective, has_aux=True)(
+      (_, (loss, aux)), g = jax.value_and_grad(objective, has_aux=True)(
           p32, mb, jax.random.fold_in(rng, i))
       acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, scatter(g))
       return acc, (loss, aux)
 
     acc, (losses, aux) = jax.lax.scan(
         body, acc_zeros(params), (micro, jnp.arange(microbatches)))
-    grads = finish(acc, 1.0 / (plan.num_data * microbatches))
+    grads = finish(acc, 1.0 / (plan.num_data * microbatches * scale))
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
     return grads, mean(losses), jax.tree.map(mean, aux)
 
@@ -187,6 +195,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                     max_grad_norm: float = 0.0,
                     learning_rate: optax.ScalarOrSchedule | None = None,
                     reduce_dtype: Any = jnp.float32, accum_dtype: Any = jnp.float32,
+                    loss_scaling: precision.LossScaling = precision.NO_SCALING,
                     donate: bool = True) -> Callable[[TrainState, PyTree],
                                                      tuple[TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` for the plan's stage.
@@ -205,6 +214,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
     reduce_dtype: dtype of every cross-device gradient reduction.
     accum_dtype: dtype of the gradient accumulator over microbatches.
+    loss_scaling: how the loss scale evolves (fp16); by default a static 1. Either
+      way a step whose gradients are not finite is skipped: params and optimizer
+      state stay as they were and the metrics say so.
     donate: donate the input state's buffers to the output.
 
   Returns:
@@ -212,8 +224,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     `batch` is a pytree of arrays whose leading dimension is the
     global batch, divisible by (data-parallel devices x microbatches). `metrics` holds
     fp32 scalars: loss, grad_norm (before clipping), update_norm, learning_rate (if
-    given), tokens (product of the first batch leaf's two leading dims), and the
-    means of the loss_fn's aux values.
+    given), tokens (product of the first batch leaf's two leading dims), skipped (1 if
+    the gradients were not finite and the update was skipped), consecutive_skips,
+    loss_scale, and the means of the loss_fn's aux values.
   """
   reduce_dtype, accum_dtype = jnp.dtype(reduce_dtype), jnp.dtype(accum_dtype)
   local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype)
@@ -228,8 +241,10 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
         jax.random.wrap_key_data(state.rng), state.step))
     grads, loss, aux = jax.shard_map(
         local, mesh=plan.mesh,
-        in_specs=(plan.param_specs, plan.batch_spec, P()),
-        out_specs=(plan.grad_specs, P(), P()), check_vma=False)(params, batch, rng)
+        in_specs=(plan.param_specs, plan.batch_spec, P(), P()),
+        out_specs=(plan.grad_specs, P(), P()), check_vma=False)(
+            params, batch, rng, state.loss_scale.scale)
+    finite = precision.all_finite(grads)
 
     grad_norm = optax.tree.norm(grads)
     if max_grad_norm > 0:
@@ -248,14 +263,23 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     # param dtype; otherwise GSPMD gathers the fp32 sum and halves nothing.
     new_params = jax.lax.with_sharding_constraint(
         on_shards(optax.apply_updates(on_shards(params), updates)), shardings.params)
+    # A step with non-finite gradients changes nothing but the counters.
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
+    loss_scale = precision.update_loss_scale(state.loss_scale, finite, loss_scaling)
 
     metrics = dict(loss=loss, grad_norm=grad_norm,
-                   update_norm=optax.tree.norm(updates).astype(jnp.float32),
-                   tokens=jnp.asarray(_leading_size(batch), jnp.float32), **aux)
+                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0).astype(
+                       jnp.float32),
+                   tokens=jnp.asarray(_leading_size(batch), jnp.float32),
+                   skipped=(~finite).astype(jnp.float32),
+                   consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),
+                   loss_scale=loss_scale.scale, **aux)
     if learning_rate is not None:
       lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return TrainState(state.step + 1, new_params, opt_state, state.rng), metrics
+    return TrainState(state.step + 1, new_params, opt_state, state.rng,
+                      loss_scale), metrics
 
   batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
   return jax.jit(step, in_shardings=(shardings, batch_sharding),

@@ -309,12 +309,18 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else ()
   # A subtree of the state that mirrors the params (Adam's mu and nu, a Kahan buffer)
   # follows the param rule, so the update on a shard meets the same shard of its
-  # moments; any other leaf gets the generic rule by shape, scalars stay replicated.
+  # moments; any other float leaf gets the generic rule by shape; integer leaves
+  # (step counts, PRNG keys) stay replicated.
   mirrors = lambda t: _mirrors(t, params)
-  opt_dims = jax.tree.map(
-      lambda t: param_dims if mirrors(t) else _shard_dim(
-          tuple(t.shape), None, shards, min_shard_size),
-      opt_state, is_leaf=mirrors)
+
+  def opt_dim(t):
+    if mirrors(t):
+      return param_dims
+    if not jnp.issubdtype(t.dtype, jnp.floating):  # Counts and PRNG keys.
+      return None
+    return _shard_dim(tuple(t.shape), None, shards, min_shard_size)
+
+  opt_dims = jax.tree.map(opt_dim, opt_state, is_leaf=mirrors)
   abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
   return ZeroPlan(mesh=mesh, stage=stage, shard_axes=tuple(shard_axes),
                   data_axes=data_axes, params=abstract(params),

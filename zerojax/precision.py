@@ -1,0 +1,125 @@
+"""Loss scaling and non-finite steps, as pure state carried in the train state.
+
+fp16 has 5 exponent bits: small gradients underflow to zero unless the loss is scaled
+up before the backward pass (and the gradients scaled back down, in fp32, after the
+reduction). The scale is dynamic, with DeepSpeed's knobs: start at 2^initial_power,
+halve it when gradients overflow (after `hysteresis` overflows in a row), never below
+`min_scale`, and double it after `window` finite steps in a row.
+
+Whatever the dtype, a step whose gradients are not finite is skipped: params and
+optimizer state stay as they were, the step is counted (`skipped`,
+`consecutive_skips` in the metrics) and the trainer logs it with its step number.
+bf16 and fp32 use a static scale of 1.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class NonFiniteError(RuntimeError):
+  """Too many consecutive steps had non-finite gradients."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+  """How the loss scale evolves (all fields as DeepSpeed's fp16 section).
+
+  Attributes:
+    dynamic: adjust the scale from overflows; False keeps `2^initial_power`.
+    initial_power: the first scale is 2**initial_power.
+    window: finite steps in a row after which the scale doubles.
+    hysteresis: overflows in a row tolerated before the scale halves.
+    min_scale: the scale never goes below this.
+  """
+  dynamic: bool = True
+  initial_power: int = 16
+  window: int = 1000
+  hysteresis: int = 2
+  min_scale: float = 1.0
+
+
+NO_SCALING = LossScaling(dynamic=False, initial_power=0)
+
+
+def loss_scaling_from_config(cfg_precision) -> LossScaling:
+  """Dynamic scaling when params or compute are float16; otherwise a static 1."""
+  if "float16" not in (cfg_precision.param_dtype, cfg_precision.compute_dtype):
+    return NO_SCALING
+  ls = cfg_precision.loss_scale
+  return LossScaling(True, ls.initial_power, ls.window, ls.hysteresis, ls.min_scale)
+
+
+class LossScale(NamedTuple):
+  """The loss-scale state: scalars, replicated.
+
+  Attributes:
+    scale: float32, what the loss is multiplied by before differentiation.
+    good_steps: int32, finite steps since the scale last changed or overflowed.
+    hysteresis: int32, overflows still tolerated before the next backoff.
+    consecutive_skips: int32, skipped steps in a row up to now.
+  """
+  scale: jax.Array
+  good_steps: jax.Array
+  hysteresis: jax.Array
+  consecutive_skips: jax.Array
+
+
+def init_loss_scale(cfg: LossScaling = NO_SCALING) -> LossScale:
+  return LossScale(jnp.asarray(2.0 ** cfg.initial_power, jnp.float32),
+                   jnp.zeros((), jnp.int32), jnp.asarray(cfg.hysteresis, jnp.int32),
+                   jnp.zeros((), jnp.int32))
+
+
+def update_loss_scale(state: LossScale, finite: jax.Array,
+                      cfg: LossScaling = NO_SCALING) -> LossScale:
+  """The loss scale after a step whose gradients were `finite` (a bool scalar)."""
+  skips = jnp.where(finite, 0, state.consecutive_skips + 1)
+  if not cfg.dynamic:
+    return state._replace(consecutive_skips=skips)
+  grow = finite & (state.good_steps + 1 >= cfg.window)
+  back_off = ~finite & (state.hysteresis <= 1)
+  scale = jnp.where(grow, state.scale * 2,
+                    jnp.where(back_off, jnp.maximum(state.scale / 2, cfg.min_scale),
+                              state.scale))
+  good = jnp.where(finite & ~grow, state.good_steps + 1, 0)
+  # As DeepSpeed: once the tolerance is used up, every further overflow halves the
+  # scale; it is restored only when the scale grows again.
+  hysteresis = jnp.where(finite, jnp.where(grow, cfg.hysteresis, state.hysteresis),
+                         jnp.maximum(state.hysteresis - 1, 1))
+  return LossScale(scale.astype(jnp.float32), good.astype(jnp.int32),
+                   hysteresis.astype(jnp.int32), skips.astype(jnp.int32))
+
+
+def all_finite(tree) -> jax.Array:
+  """True if every element of every leaf is finite (a bool scalar)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def check_skips(step: int, metrics: dict, limit: int) -> str | None:
+  """A log line for a skipped step, or NonFiniteError once `limit` came in a row.
+
+  Args:
+    step: the step number the metrics belong to.
+    metrics: the step's metrics (host values): skipped, consecutive_skips, loss_scale.
+    limit: consecutive skips that end the run; 0 never does.
+
+  Returns:
+    None for a normal step, else the line to log.
+  """
+  if not metrics["skipped"]:
+    return None
+  row = int(metrics["consecutive_skips"])
+  line = (f"step {step}: gradients not finite, update skipped ({row} in a row; "
+          f"loss scale now {float(metrics['loss_scale']):g})")
+  if limit and row >= limit:
+    raise NonFiniteError(
+        f"{line}. {limit} consecutive steps had non-finite gradients, so training "
+        "stopped rather than run on without learning. Try: a lower learning rate or "
+        "more warmup, optimizer.grad_clip > 0, bfloat16 instead of float16, a larger "
+        "precision.loss_scale.min_scale if the scale collapsed, or check the data for "
+        "bad tokens.")
+  return line
