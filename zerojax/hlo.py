@@ -1,49 +1,63 @@
 """Reading collectives out of HLO text: what is communicated, in which dtype, where.
 
-Works on both the pre-optimization HLO of a lowered step
-(`step.lower(...).as_text(dialect='hlo')`), which shows the dtypes the program asked
-for, and the compiled HLO (`.compile().as_text()`), which shows what the backend will
-run. They differ on XLA:CPU: its float normalization upcasts every bf16 collective to
-f32, so only the pre-optimization text can tell a bf16 reduction from an f32 one there.
+Three views of one step, all readable by `collectives`:
+
+- pre-optimization HLO (`step.lower(...).as_text(dialect='hlo')`): the collectives the
+  program writes (`shard_map`), in the dtypes it asked for, but not yet those GSPMD
+  inserts for sharding constraints;
+- the HLO right after SPMD partitioning (`compile_partitioned`): every collective,
+  both written and inserted, still in the program's dtypes;
+- compiled HLO (`.compile().as_text()`): what the backend runs. On XLA:CPU that differs:
+  right after partitioning, `all-reduce-promotion` and `float-normalization-bf16`
+  rewrite every bf16 collective to f32, so only the first two views can tell a bf16
+  reduction from an f32 one there. GPUs and TPUs keep the program's dtypes.
 """
 
+import functools
+import glob
 import math
+import os
 import re
+import tempfile
 from typing import NamedTuple
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                "collective-permute")
 
-# A computation header starts at column 0 and opens a block; instructions are indented.
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+Shape = tuple[str, tuple[int, ...]]  # (dtype, dims), e.g. ('bf16', (64, 128)).
+
+# `ROOT %name = type op(operands), attributes`; the `%` is absent before optimization.
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) +
-    r")(?:-start)?\(")
-_TYPE = re.compile(r"\b(pred|[subf]\d+|bf16)\[([\d,]*)\]")
-_CALLS = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations)=\{?"
-                    r"([%\w.\-, ]+)\}?")
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_TYPE = re.compile(r"\b(pred|[a-z]+\d+\w*)\[([\d,]*)\]")
+_CALLEES = re.compile(r"\b(?:to_apply|calls|branch_computations|true_computation|"
+                      r"false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
 class Collective(NamedTuple):
   """One collective instruction.
 
   Attributes:
-    op: one of `COLLECTIVES`.
+    op: one of `COLLECTIVES` (an async `-start` counts as its op).
     name: the instruction name.
     computation: the computation it sits in.
-    results: (dtype, shape) of each result (a combined collective has several).
-    group_size: devices in each replica group.
+    results: (dtype, shape) of each result (a combined collective has several; for a
+      reduce-scatter, the shard).
+    group_size: devices in each replica group (0: not grouped, e.g. a
+      collective-permute's source-target pairs, or unknown).
     loops: how many while loops it sits inside (0: runs once per step).
-    trips: times it runs per step: the product of the known trip counts of the loops
-      around it (a loop whose trip count XLA does not know counts once).
+    trips: times it runs per step: the product of the trip counts of the loops around
+      it, summed over the places its computation is called from.
+    operands: (dtype, shape) of each operand, from the instructions defining them.
   """
   op: str
   name: str
   computation: str
-  results: tuple[tuple[str, tuple[int, ...]], ...]
+  results: tuple[Shape, ...]
   group_size: int
   loops: int
   trips: int
+  operands: tuple[Shape, ...] = ()
 
   @property
   def in_loop(self) -> bool:
@@ -56,7 +70,12 @@ class Collective(NamedTuple):
   @property
   def result_bytes(self) -> int:
     """Bytes of the result on one device (for a reduce-scatter: one shard)."""
-    return sum(math.prod(shape) * _itemsize(dtype) for dtype, shape in self.results)
+    return nbytes(self.results)
+
+  @property
+  def operand_bytes(self) -> int:
+    """Bytes sent in by one device: the local gradient, or the shard to gather."""
+    return nbytes(self.operands)
 
   @property
   def payload_bytes(self) -> int:
@@ -67,61 +86,95 @@ class Collective(NamedTuple):
 
 def _itemsize(dtype: str) -> int:
   """Bytes per element of an HLO type name: f32 -> 4, bf16 -> 2, pred -> 1."""
-  return max(1, int(re.sub(r"\D", "", dtype) or 8) // 8)
+  bits = re.search(r"\d+", dtype)
+  return max(1, int(bits.group()) // 8) if bits else 1
 
 
-def _group_size(line: str) -> int:
-  groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-  if groups:
-    return len(groups.group(1).split(","))
-  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-  return int(iota.group(2)) if iota else 1
+def nbytes(shapes: tuple[Shape, ...]) -> int:
+  """Bytes of (dtype, shape) pairs, e.g. a `Collective`'s `results` or `operands`."""
+  return sum(math.prod(dims) * _itemsize(dtype) for dtype, dims in shapes)
+
+
+def _shapes(hlo_type: str) -> tuple[Shape, ...]:
+  return tuple((d, tuple(int(n) for n in dims.split(",") if n))
+               for d, dims in _TYPE.findall(hlo_type))
+
+
+def _group_size(attrs: str, devices: int) -> int:
+  """Devices per replica group, in each of the ways HLO prints replica groups."""
+  if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):  # {{0,1},{2,3}}
+    return len(m.group(1).split(","))
+  if m := re.search(r"replica_groups=\[\d+,(\d+)\]", attrs):  # [groups,size]<=[8]
+    return int(m.group(1))
+  # GSPMD's mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}; a sub-axis of size k
+  # prints as 'axis_1':(pre)k.
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", attrs):
+    sizes = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+    return math.prod(int(k) if k else sizes[a]
+                     for a, k in re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", m.group(2)))
+  return devices if "replica_groups={}" in attrs else 0  # {}: one group of all.
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective in an HLO module's text, in order of appearance."""
-  computation, found, calls = "", [], {}
+  """Every collective in an HLO module's text, in order of appearance.
+
+  HLO prints operands by name only, so their shapes come from the instructions that
+  define them. A while body runs once per trip: XLA's `known_trip_count` where the
+  compiler has annotated it, otherwise (before optimization or right after
+  partitioning) the one integer constant of the loop condition, the `n` of the
+  `i < n` that `lax.scan` and `fori_loop` from 0 compile to; else once.
+  """
+  header = hlo_text.split("\n", 1)[0]  # HloModule name, ..., num_partitions=8
+  counts = [int(n) for n in
+            re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header)]
+  devices = math.prod(counts) if counts else 0  # All of them: replica_groups={}.
+  shapes, found, edges, consts, starts, comp = {}, [], set(), {}, {}, ""
   for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      computation = header.group(1)
+    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
+      comp = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
       continue
-    for callees in _CALLS.findall(line):
-      calls.setdefault(computation, set()).update(
-          c.strip().lstrip("%") for c in callees.split(","))
-    inst = _INSTRUCTION.match(line)
-    if inst:
-      name, types, op = inst.groups()
-      results = tuple((d, tuple(int(n) for n in s.split(",") if n))
-                      for d, s in _TYPE.findall(types))
-      found.append((op, name, computation, results, _group_size(line)))
-  # Each loop body, and everything it calls, runs `trips` times per iteration above.
-  loops = [(_reachable(calls, {body}), trips) for body, trips in _loops(hlo_text)]
-  return [Collective(op, name, comp, results, size,
-                     sum(comp in inside for inside, _ in loops),
-                     math.prod(t for inside, t in loops if comp in inside))
-          for op, name, comp, results, size in found]
+    if not (inst := _INSTRUCTION.match(line)):
+      continue
+    name, hlo_type, op, rest = inst.groups()
+    shapes[name] = _shapes(re.sub(r"/\*.*?\*/", "", hlo_type))
+    operands = re.findall(r"%?([\w.\-]+)", re.sub(r"/\*.*?\*/", "", rest.split(")")[0]))
+    if op == "while":
+      known = re.search(r'known_trip_count"?:\{"n":"(\d+)"', rest)
+      cond = re.search(r"condition=%?([\w.\-]+)", rest).group(1)
+      body = re.search(r"body=%?([\w.\-]+)", rest).group(1)
+      edges.add((comp, body, int(known.group(1)) if known else cond, True))
+    edges.update((comp, c.strip(" %"), 1, False) for callees in _CALLEES.findall(rest)
+                 for c in callees.strip("{}").split(","))
+    if op == "constant" and re.fullmatch(r"[su]\d+\[\]", hlo_type):
+      consts.setdefault(comp, []).append(int(rest.split(")")[0]))
+    if op.endswith("-done") and operands and operands[0] in starts:
+      i = starts.pop(operands[0])  # An async op's result is its -done's.
+      found[i] = found[i][:3] + (shapes[name],) + found[i][4:]
+    if (kind := op.removesuffix("-start")) in COLLECTIVES:
+      starts[name] = len(found)
+      found.append((kind, name, comp, shapes[name], _group_size(rest, devices),
+                    tuple(s for o in operands for s in shapes.get(o, ()))))
 
+  callers = {}
+  for caller, callee, trips, is_loop in edges:
+    if isinstance(trips, str):  # The loop condition's name: its one constant bound.
+      bounds = consts.get(trips, [])
+      trips = bounds[0] if len(bounds) == 1 else 1
+    callers.setdefault(callee, []).append((caller, trips, is_loop))
 
-def _loops(hlo_text: str) -> list[tuple[str, int]]:
-  """(body computation, known trip count or 1) of every while instruction."""
-  found = []
-  for line in hlo_text.splitlines():
-    body = re.search(r"\bbody=%?([\w.\-]+)", line)
-    if body and " while(" in line:
-      trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-      found.append((body.group(1), int(trips.group(1)) if trips else 1))
-  return found
+  @functools.cache
+  def runs(c: str) -> tuple[int, int]:
+    """(while loops around `c`, times `c` runs per step); uncalled: the entry."""
+    if c not in callers:
+      return 0, 1
+    loops, total = 0, 0
+    for caller, trips, is_loop in callers[c]:
+      outer_loops, outer_runs = runs(caller)
+      loops, total = max(loops, outer_loops + is_loop), total + outer_runs * trips
+    return loops, total
 
-
-def _reachable(calls: dict[str, set[str]], roots: set[str]) -> set[str]:
-  seen, todo = set(), list(roots)
-  while todo:
-    c = todo.pop()
-    if c not in seen:
-      seen.add(c)
-      todo.extend(calls.get(c, ()))
-  return seen
+  return [Collective(op, name, c, results, size, *runs(c), operands)
+          for op, name, c, results, size, operands in found]
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
@@ -136,6 +189,38 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
     for dtype, shape in c.results:
       row = table.setdefault(f"{c.op} {dtype}", {"count": 0, "payload_bytes": 0})
       row["count"] += c.trips
-      row["payload_bytes"] += math.prod(shape) * _itemsize(dtype) * scale * c.trips
+      row["payload_bytes"] += nbytes(((dtype, shape),)) * scale * c.trips
   return table
 
+
+def compile_partitioned(lowered):
+  """Compiles a `jax.stages.Lowered`; also returns its HLO right after partitioning.
+
+  That HLO holds every collective, the program's own and those GSPMD inserts, in the
+  dtypes the program asked for, before a backend rewrites them (XLA:CPU promotes bf16
+  collectives to f32). It is dumped during the same compile into a temporary
+  directory (`xla_dump_to`, `xla_dump_hlo_pass_re='spmd-partitioning'`).
+
+  Args:
+    lowered: e.g. `jax.jit(f).lower(*args)`.
+
+  Returns:
+    (the `jax.stages.Compiled`, the partitioned HLO text; '' when nothing was
+    partitioned, as on one device).
+
+  Raises:
+    RuntimeError: the program is partitioned but XLA dumped nothing, as when the
+      executable came from JAX's persistent compilation cache.
+  """
+  with tempfile.TemporaryDirectory(prefix="zerojax_hlo_") as tmp:
+    compiled = lowered.compile(compiler_options={
+        "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    paths = glob.glob(os.path.join(tmp, "*after_spmd-partitioning*"))
+    if paths:
+      with open(paths[0], encoding="utf-8") as f:
+        return compiled, f.read()
+  if re.search(r"num_partitions=([2-9]|\d\d)", compiled.as_text()):
+    raise RuntimeError("XLA wrote no HLO after spmd-partitioning: was the executable "
+                       "loaded from the persistent compilation cache? Disable it "
+                       "(jax_enable_compilation_cache=False) to read partitioned HLO.")
+  return compiled, ""
