@@ -1,0 +1,208 @@
+"""bf16 update rules and optimizers: stalls, compensation, unbiased rounding, memory."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import optim
+from zerojax.models.mlp_lm import MlpLM
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def stall_run(make_tx, param_dtype, steps=300, n=2048, seed=0):
+  """Small updates on weights of magnitude 0.02-1: the regime where bf16 stalls.
+
+  The gradients are a fixed direction plus noise (1e-3 scale), the same stream for
+  every run, so the fp32 reference moves steadily.
+
+  Returns (initial fp32 params, final params as fp32).
+  """
+  rs = np.random.RandomState(seed)
+  w0 = np.exp(rs.uniform(np.log(0.02), 0.0, n)) * rs.choice([-1.0, 1.0], n)
+  w0 = np.asarray(jnp.asarray(w0, BF16), np.float32)  # Every run starts at the same point.
+  direction = rs.normal(size=n)
+  grads = (1e-3 * (direction + 0.5 * rs.normal(size=(steps, n)))).astype(np.float32)
+  params = jnp.asarray(w0, param_dtype)
+  tx = make_tx()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for g in grads:
+    params, state = step(params, state, jnp.asarray(g))
+  return w0, np.asarray(params, np.float32)
+
+
+def stall_errors(factory, lr, steps=300):
+  """||p - p_fp32|| / ||p_fp32 - p_init|| for each recipe, plus bf16's own floor.
+
+  The floor is the error of the fp32 result itself rounded to bf16: no bf16-stored
+  result can do better.
+  """
+  init, ref = stall_run(lambda: factory(lr, state_dtype=F32), F32, steps)
+  moved = np.linalg.norm(ref - init)
+  err = lambda p: float(np.linalg.norm(p - ref) / moved)
+  recipes = {"nearest": ("nearest", BF16), "kahan_bf16": ("kahan", BF16),
+             "kahan_fp32": ("kahan", F32), "stochastic": ("stochastic", BF16),
+             "master": ("master", F32)}
+  out = {name: err(stall_run(lambda: factory(lr, update_rule=rule, state_dtype=sd),
+                             BF16, steps)[1])
+         for name, (rule, sd) in recipes.items()}
+  out["bf16_floor"] = err(np.asarray(jnp.asarray(ref, BF16), np.float32))
+  return out
+
+
+@pytest.mark.parametrize("factory", [optim.adamw, optim.lion], ids=["adamw", "lion"])
+def test_stall_regime(factory):
+  """lr 1e-5 for 300 steps: every update is under half an ulp of every weight.
+
+  The weights move by ~3e-3 in total, under one bf16 ulp of the larger ones, so the
+  bf16 floor itself is ~0.2-0.3 here; at lr 1e-4 it is ~0.02.
+  """
+  for lr in (1e-5, 1e-4):
+    e = stall_errors(factory, lr)
+    floor = e["bf16_floor"]
+    assert e["nearest"] > 0.95, e  # Round-to-nearest loses (almost) every update.
+    assert e["kahan_bf16"] <= 1.05 * floor and e["kahan_fp32"] <= 1.05 * floor, e
+    assert e["master"] <= 1.01 * floor, e  # fp32 underneath: only the last rounding.
+    assert e["kahan_bf16"] < e["stochastic"] < e["nearest"], e
+    if lr == 1e-4:
+      assert e["kahan_bf16"] <= 0.1, e
+
+
+def test_weight_decay_acts_through_kahan():
+  """lr * wd = 1e-5 < 2^-9: a plain bf16 decay rounds away, Kahan's accumulates."""
+  def effect(rule, dtype):
+    run = lambda wd: stall_run(lambda: optim.adamw(
+        1e-4, weight_decay=wd, update_rule=rule, state_dtype=F32), dtype, steps=1000)[1]
+    return np.linalg.norm(run(0.1) - run(0.0))
+
+  fp32, kahan, nearest = effect("nearest", F32), effect("kahan", BF16), effect("nearest", BF16)
+  assert abs(kahan - fp32) <= 0.1 * fp32, (kahan, fp32)
+  assert nearest < 0.5 * fp32, (nearest, fp32)
+
+
+def test_kahan_lands_exactly_and_keeps_the_remainder():
+  p = jnp.asarray([1.0, -0.5, 0.03125], BF16)
+  u = jnp.asarray([1e-3, -1e-4, 3e-6], F32)
+  tx = optim.with_update_rule(optax.identity(), "kahan")
+  updates, state = jax.jit(tx.update)(u, tx.init(p), p)
+  new = optax.apply_updates(p, updates)
+  assert new.dtype == BF16 and state.compensation.dtype == BF16
+  exact = p.astype(F32) + u
+  # The new weight plus what is carried forward is the exact sum, to bf16 precision
+  # of the (small) remainder.
+  np.testing.assert_allclose(new.astype(F32) + state.compensation.astype(F32), exact,
+                             rtol=0, atol=2e-3 * np.abs(np.asarray(u)).max())
+  assert float(state.compensation[1]) != 0.0  # -1e-4 is below half an ulp of 0.5.
+
+
+def test_stochastic_rounding_is_unbiased():
+  lo = jnp.asarray(1.0, BF16).astype(F32)
+  ulp = float(jnp.finfo(BF16).eps)  # Spacing of bf16 numbers in [1, 2).
+  x = jnp.full((200_000,), lo + 0.3 * ulp, F32)
+  r = jax.jit(optim.stochastic_round, static_argnums=1)(x, BF16, jax.random.key(0))
+  values = set(np.unique(np.asarray(r)).tolist())
+  assert values == {1.0, 1.0 + ulp}  # Only the two neighbours.
+  # E[r] = x; the standard error of the mean is sqrt(0.3 * 0.7 / n) ulps.
+  bias = (float(jnp.mean(r.astype(jnp.float64) if jax.config.jax_enable_x64 else r))
+          - float(x[0])) / ulp
+  assert abs(bias) < 5 * np.sqrt(0.21 / x.size), bias
+  neg = jax.jit(optim.stochastic_round, static_argnums=1)(-x, BF16, jax.random.key(1))
+  assert abs(float(jnp.mean(neg)) + float(x[0])) / ulp < 5 * np.sqrt(0.21 / x.size)
+
+
+def test_moments_are_stored_in_state_dtype_even_for_nu():
+  params = {"w": jnp.ones((4, 4), BF16)}
+  for state_dtype in (BF16, F32):
+    state = optim.adamw(1e-3, state_dtype=state_dtype).init(params)
+    adam = state[0]
+    assert adam.mu["w"].dtype == state_dtype and adam.nu["w"].dtype == state_dtype
+  assert optim.lion(1e-3, state_dtype=BF16).init(params)[0].mu["w"].dtype == BF16
+
+
+def test_fp32_adamw_matches_optax():
+  params = {"w": jnp.linspace(-1, 1, 64, dtype=F32).reshape(8, 8)}
+  ours = optim.adamw(1e-2, 0.9, 0.99, 1e-8, weight_decay=0.1)
+  theirs = optax.adamw(1e-2, 0.9, 0.99, 1e-8, weight_decay=0.1)
+  p1, p2, s1, s2 = params, params, ours.init(params), theirs.init(params)
+  for i in range(10):
+    g = jax.tree.map(lambda p: jnp.sin(p * (i + 1)), p1)
+    u1, s1 = ours.update(g, s1, p1)
+    u2, s2 = theirs.update(g, s2, p2)
+    p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+  np.testing.assert_allclose(p1["w"], p2["w"], rtol=1e-6, atol=1e-7)
+
+
+_EXCESS_PRECISION_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from zerojax import optim
+    p = jnp.ones((1024,), jnp.bfloat16)
+    tx = optim.with_update_rule(optax.identity(), "kahan")
+    step = jax.jit(lambda p, s: tx.update(jnp.full((1024,), 1e-3, jnp.float32), s, p))
+    state = tx.init(p)
+    for _ in range(10):
+      u, state = step(p, state)
+      p = optax.apply_updates(p, u)
+    print(float(p[0]), float(state.compensation[0]))
+""")
+
+
+@pytest.mark.parametrize("excess", ["true", "false"])
+def test_kahan_survives_excess_precision_flag(excess):
+  """1e-3 steps on 1.0 (half ulp 3.9e-3): only the compensation makes progress."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_allow_excess_precision={excess}")
+  out = subprocess.run([sys.executable, "-c", _EXCESS_PRECISION_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=120, check=True)
+  weight, compensation = map(float, out.stdout.split())
+  # Ten steps of 1e-3: the weight has moved (1.0078125 is the nearest bf16 to 1.01),
+  # and weight + compensation holds the exact 1.01.
+  assert weight == pytest.approx(1.0078125)
+  assert weight + compensation == pytest.approx(1.01, abs=1e-4)
+
+
+RECIPES = {  # (factory kwargs, optimizer bytes per param before sharding)
+    "adamw_nearest_bf16": (dict(update_rule="nearest", state_dtype=BF16), 4),
+    "adamw_kahan_bf16": (dict(update_rule="kahan", state_dtype=BF16), 6),
+    "adamw_stochastic_bf16": (dict(update_rule="stochastic", state_dtype=BF16), 4),
+    "adamw_master_fp32": (dict(update_rule="master", state_dtype=F32), 12),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("recipe", sorted(RECIPES) + ["lion_kahan_bf16"])
+def test_optimizer_bytes_per_device_follow_formula(recipe, stage):
+  """Per-device params + optimizer state from the compiled step: 2Ψ + KΨ/N, or (2+K)Ψ/N."""
+  if recipe == "lion_kahan_bf16":
+    tx, k = optim.lion(1e-4, update_rule="kahan", state_dtype=BF16), 4
+  else:
+    kwargs, k = RECIPES[recipe]
+    tx = optim.adamw(1e-4, **kwargs)
+  model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=2, context=4,
+                param_dtype=BF16, compute_dtype=BF16)
+  mesh = zerojax.make_mesh(1, 8)
+  plan = zerojax.make_plan(mesh, stage, jax.eval_shape(model.init, jax.random.key(0)), tx,
+                           logical_axes=model.logical_axes(), min_shard_size=0)
+  step = zerojax.make_train_step(plan, model.loss, tx)
+  sharding = jax.sharding.NamedSharding(mesh, plan.batch_spec)
+  batch = {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=sharding)}
+  args = step.lower(zerojax.abstract_state(plan), batch).compile().memory_analysis()
+  psi = sum(x.size for x in jax.tree.leaves(plan.params))
+  formula = (2 * psi + k * psi / 8) if stage < 3 else (2 + k) * psi / 8
+  # Besides the model state: the batch, rng, step, loss-scale scalars, Adam's count
+  # and the stochastic key: under 1 KiB.
+  measured = args.argument_size_in_bytes - 8 * 17 * 4 / 8
+  assert abs(measured - formula) <= 0.01 * formula + 1024, (measured, formula)
