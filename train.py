@@ -62,6 +62,9 @@ def main(argv: list[str]) -> int:
   if c.workdir and jax.process_index() == 0:
     os.makedirs(c.workdir, exist_ok=True)
 
+  # Every data mistake surfaces here too, before the model is built or compiled.
+  train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
+                                               cache_dir=c.workdir)
   mesh = mesh_from_config(c)
   model = MlpLM(vocab_size=c.model.vocab_size, d_model=c.model.d_model, d_ff=c.model.d_ff,
                 n_layers=c.model.n_layers, context=c.model.context, remat=c.model.remat,
@@ -82,12 +85,12 @@ def main(argv: list[str]) -> int:
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
   eval_step = zerojax.make_eval_step(plan, model.loss)
 
-  tokens = data.stdlib_corpus()
-  train_tokens, eval_tokens = data.split(tokens, c.data.eval_fraction)
   rows = data.process_rows(t.global_batch_size)
 
   def batch(source, step, seed):
-    local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed)[rows]}
+    # Each process reads only its own rows of the global batch.
+    local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
+                                     rows=rows)}
     return data.global_batch(local, batch_sharding)
 
   # A fixed held-out set: the same batches at every evaluation, drawn with another seed.
@@ -108,7 +111,7 @@ def main(argv: list[str]) -> int:
   log(c.workdir, f"devices {jax.device_count()} ({jax.default_backend()})  mesh {shape}  "
       f"stage {c.zero.stage}  params {n_params / 1e6:.2f}M  state/device "
       f"{(param_b + opt_b) / 2**20:.2f} MiB (params {param_b / 2**20:.2f} + opt {opt_b / 2**20:.2f})"
-      f"  corpus {len(train_tokens) / 2**20:.1f}+{len(eval_tokens) / 2**20:.1f} MiB  "
+      f"  tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M  "
       f"compile {compile_s:.1f}s", devices=jax.device_count(), mesh=dict(mesh.shape),
       stage=c.zero.stage, params=n_params, param_bytes_per_device=param_b,
       opt_bytes_per_device=opt_b)
@@ -156,6 +159,9 @@ def run(argv: list[str]) -> int:
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 3
+  except data.DataError as e:  # Bad data, like a bad config: the message, no traceback.
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

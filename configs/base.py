@@ -69,6 +69,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.remat = "dots"  # Backward-pass recompute per layer: none | full | dots (keep matmul outputs).
 
   c.data = ml_collections.ConfigDict()
-  c.data.name = "stdlib"  # stdlib: bytes of the Python standard library's source (no download).
-  c.data.eval_fraction = 0.05  # Share of the corpus held out for evaluation.
+  c.data.name = "stdlib"  # stdlib (Python source as bytes, no download) | tokens (.bin/.npy) | text (.txt/.jsonl).
+  c.data.path = ""  # tokens: a .bin or .npy file of token ids; text: a .txt (one document) or .jsonl file.
+  c.data.eval_path = ""  # A held-out file of the same kind; "" = hold out the last eval_fraction of data.path.
+  c.data.dtype = "uint16"  # Token id dtype of .bin files: uint16 | uint32 (.npy files carry their own).
+  c.data.tokenizer = ""  # text: a Hugging Face tokenizer.json (pip install zerojax[text]).
+  c.data.text_key = "text"  # text, .jsonl: the field of each JSON object that holds the document.
+  c.data.eos_id = -1  # text: id appended after every document; -1 = the tokenizer's end-of-sequence token.
+  c.data.eval_fraction = 0.05  # Share of the tokens held out for evaluation when data.eval_path is "".
   return c

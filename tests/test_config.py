@@ -205,3 +205,84 @@ def test_cli_prints_resolved_config():
   result = _run_cli("--config", "configs/tiny.py", "--config.zero.stage=1", "--num_devices", "8")
   assert result.returncode == 0, result.stderr
   assert "stage: 1" in result.stdout and "(1, 8)" in result.stdout
+
+
+# Precision and optimizer combinations: (body run on `c`, key the message must name, more text it must contain).
+BAD_PRECISION = [
+    ("c.precision.param_dtype = 'float16'\nc.precision.compute_dtype = 'bfloat16'", "precision.compute_dtype",
+     "mixes float16 and bfloat16"),
+    ("c.precision.param_dtype = 'bfloat16'\nc.precision.compute_dtype = 'float16'", "precision.compute_dtype",
+     "same 16-bit format"),
+    ("c.precision.param_dtype = 'float16'\nc.precision.compute_dtype = 'float16'\n"
+     "c.optimizer.update_rule = 'stochastic'", "optimizer.update_rule", "bfloat16 params, not float16"),
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'stochastic'", "optimizer.update_rule",
+     "'kahan'"),
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'kahan'", "optimizer.update_rule",
+     "'nearest'"),
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'master'", "optimizer.update_rule",
+     "float32"),
+    ("c.optimizer.state_dtype = 'bfloat16'\nc.optimizer.b2 = 0.999", "optimizer.b2", "b2 <= 0.996"),
+    ("c.precision.reduce_dtype = 'float16'", "precision.reduce_dtype", "overflow"),
+    ("c.precision.accum_dtype = 'fp16'", "precision.accum_dtype", "overflow"),
+    ("c.optimizer.update_rule = 'kahn'", "optimizer.update_rule", "did you mean 'kahan'"),
+    ("c.optimizer.state_dtype = 'float64'", "optimizer.state_dtype", "'float32', 'bfloat16'"),
+    ("c.optimizer.name = 'lino'", "optimizer.name", "did you mean 'lion'"),
+    ("c.precision.loss_scale.window = 0", "precision.loss_scale.window", ">= 1"),
+    ("c.precision.loss_scale.hysteresis = 0", "precision.loss_scale.hysteresis", ">= 1"),
+    ("c.precision.loss_scale.initial_power = 41", "precision.loss_scale.initial_power", "[0, 40]"),
+    ("c.precision.loss_scale.min_scale = 0.0", "precision.loss_scale.min_scale", "> 0"),
+    ("c.precision.max_consecutive_skips = -1", "precision.max_consecutive_skips", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("body, key, text", BAD_PRECISION, ids=[b[1] + ":" + b[0][-24:] for b in BAD_PRECISION])
+def test_bad_precision_combination(tmp_path, body, key, text):
+  path = write_config(tmp_path, body)
+  with pytest.raises(zc.ConfigError) as info:
+    zc.load_config(path)
+  message = str(info.value)
+  assert key in message and text in message, message
+  assert path in message, message
+
+
+def test_bad_precision_override_names_the_override():
+  with pytest.raises(zc.ConfigError) as info:
+    zc.load_config(TINY, ["optimizer.b2=0.999"])
+  message = str(info.value)
+  assert "optimizer.b2" in message and "fix:" in message and "state_dtype='float32'" in message, message
+  assert "override --config.optimizer.b2=0.999" in message, message
+  with pytest.raises(zc.ConfigError, match="precision.compute_dtype"):
+    zc.load_config(TINY, ["precision.param_dtype=float16"])  # compute stays bfloat16.
+  with pytest.raises(zc.ConfigError, match="precision.loss_scale.window"):
+    zc.load_config(TINY, ["precision.loss_scale.window=0"])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optimizer.name=lion"],
+    ["optimizer.name=lion", "optimizer.state_dtype=float32", "optimizer.update_rule=nearest",
+     "precision.param_dtype=float32", "precision.compute_dtype=float32"],
+    ["precision.param_dtype=float16", "precision.compute_dtype=float16", "precision.loss_scale.initial_power=12",
+     "precision.loss_scale.window=200", "precision.loss_scale.min_scale=0.5", "precision.max_consecutive_skips=0"],
+    ["precision.param_dtype=float32", "precision.compute_dtype=float16",  # fp32 params, fp16 compute.
+     "optimizer.update_rule=nearest"],
+    ["precision.param_dtype=float32", "precision.compute_dtype=bfloat16", "optimizer.update_rule=nearest"],
+    ["optimizer.update_rule=stochastic"],  # bfloat16 params (the default).
+    ["optimizer.update_rule=master"],
+    ["optimizer.state_dtype=float32", "optimizer.b2=0.999"],
+    ["optimizer.state_dtype=bfloat16", "optimizer.b2=0.996"],
+    ["optimizer.name=lion", "optimizer.b2=0.999"],  # Lion keeps one momentum: no nu to freeze.
+    ["optimizer.name=sgd", "optimizer.b2=0.999"],
+], ids=lambda o: ",".join(x.split(".")[-1] for x in o))
+def test_good_precision_combinations_load(overrides):
+  config = zc.load_config(TINY, overrides, num_devices=8)
+  for override in overrides:
+    key, value = override.split("=")
+    parent, name = zc._parent(config, key)
+    assert str(parent[name]) == value or float(parent[name]) == float(value), (key, parent[name])
+
+
+def test_new_schema_keys_have_defaults():
+  c = zc.load_config(TINY)
+  assert c.optimizer.state_dtype == "bfloat16" and c.optimizer.update_rule == "kahan"
+  assert c.precision.max_consecutive_skips == 10 and c.precision.loss_scale.window == 1000
+  assert c.precision.loss_scale.hysteresis == 2 and c.precision.loss_scale.min_scale == 1.0

@@ -58,7 +58,7 @@ _ENUMS: dict[str, tuple[Any, ...]] = {
     "optimizer.update_rule": ("nearest", "kahan", "stochastic", "master"),
     "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "lion", "sgd"),
     "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("mlp_lm",), "model.remat": ("none", "full", "dots"),
-    "data.name": ("stdlib",),
+    "data.name": ("stdlib", "tokens", "text"), "data.dtype": ("uint16", "uint32"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat": "bfloat16", "fp32": "float32", "f32": "float32",
                   "float": "float32", "single": "float32", "fp16": "float16", "f16": "float16", "half": "float16"}
@@ -78,6 +78,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.eval_batches": (lambda v: v >= 1, ">= 1"), "model.vocab_size": _POS, "model.d_model": _POS,
     "model.d_ff": _POS, "model.n_layers": _POS, "model.context": (lambda v: v >= 1, ">= 1"),
     "data.eval_fraction": (lambda v: 0 < v <= 0.5, "in (0, 0.5]"),
+    "data.eos_id": (lambda v: v >= -1, "a token id >= 0, or -1 for the tokenizer's end-of-sequence token"),
     "precision.loss_scale.initial_power": (lambda v: 0 <= v <= 40, "in [0, 40]"),
     "precision.loss_scale.window": (lambda v: v >= 1, ">= 1"),
     "precision.loss_scale.hysteresis": (lambda v: v >= 1, ">= 1"),
@@ -221,6 +222,10 @@ def _check_value(key: str, value: Any, default: Any, source: str) -> None:
     allowed = ", ".join(map(repr, _ENUMS[key]))
     if key.startswith("precision.") or key == "optimizer.state_dtype":
       canonical = _DTYPE_ALIASES.get(re.sub(r"^(jnp|np|torch|jax\.numpy|numpy)\.", "", value.lower()), value.lower())
+      if canonical == "float16" and key == "optimizer.state_dtype":
+        raise ConfigError(f"is {value!r}, but float16 moments underflow (Adam's nu holds squared "
+                          "gradients).", key=key, source=source,
+                          fix="use bfloat16 (the default) or float32")
       if canonical == "float16":
         raise ConfigError(f"is {value!r}, but {_FLOAT16[0]}.", key=key, source=source, fix=_FLOAT16[1])
       if canonical in _DTYPES:
@@ -303,12 +308,43 @@ def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
                       "float32: it would only spend memory.", key="optimizer.update_rule",
                       source=where("optimizer.update_rule", "precision.param_dtype"),
                       fix="use update_rule 'nearest' with float32 params")
+  ls = p.loss_scale
+  if "float16" in (p.param_dtype, p.compute_dtype) and ls.min_scale > 2.0 ** ls.initial_power:
+    raise ConfigError(f"min_scale={ls.min_scale:g} is above the first scale 2**{ls.initial_power}: the "
+                      "first back-off would raise the scale.", key="precision.loss_scale.min_scale",
+                      source=where("precision.loss_scale.min_scale", "precision.loss_scale.initial_power"),
+                      fix=f"use min_scale <= 2**initial_power = {2.0 ** ls.initial_power:g}")
   # A bf16 second moment cannot decay: nu * b2 rounds back to nu when 1 - b2 < 2^-9.
   if o.name == "adamw" and o.state_dtype == "bfloat16" and 1 - o.b2 < 2 ** -8:
     raise ConfigError(f"b2={o.b2} with bfloat16 optimizer state: each step shrinks nu by {1 - o.b2:.2g}, "
                       "under bfloat16's resolution, so nu never decays.", key="optimizer.b2",
                       source=where("optimizer.b2", "optimizer.state_dtype"),
                       fix="use b2 <= 0.996 (e.g. 0.95) or optimizer.state_dtype='float32'")
+
+
+def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
+  """The keys each data source needs; the files themselves are checked by zerojax.data.load_tokens."""
+  d = config.data
+  where = lambda *keys: _source_of(source, *keys, "data.name")
+  if d.name == "stdlib":
+    if d.path or d.eval_path:
+      key = "data.path" if d.path else "data.eval_path"
+      raise ConfigError("is set, but data.name='stdlib' reads no file.", key=key, source=where(key),
+                        fix="set data.name='tokens' (.bin / .npy ids) or 'text' (.txt / .jsonl), or clear it")
+    if config.model.vocab_size < 256:
+      raise ConfigError(f"is {config.model.vocab_size}, but data.name='stdlib' has byte tokens (ids 0-255).",
+                        key="model.vocab_size", source=where("model.vocab_size"), fix="use model.vocab_size >= 256")
+    return
+  kinds = "a .bin or .npy file of token ids" if d.name == "tokens" else "a .txt or .jsonl file"
+  if not d.path:
+    raise ConfigError(f"is empty, but data.name={d.name!r} reads its tokens from a file.", key="data.path",
+                      source=where("data.path"), fix=f"set data.path to {kinds}")
+  if d.name == "text" and not d.tokenizer:
+    raise ConfigError("is empty, but data.name='text' needs a tokenizer.", key="data.tokenizer",
+                      source=where("data.tokenizer"), fix="set data.tokenizer to a Hugging Face tokenizer.json")
+  if d.name == "text" and not d.text_key:
+    raise ConfigError("is empty.", key="data.text_key", source=where("data.text_key"),
+                      fix="set it to the JSONL field that holds each document (usually 'text')")
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
@@ -333,6 +369,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       source=_source_of(source, "optimizer.warmup_steps", "train.steps"),
                       fix=f"use optimizer.warmup_steps <= {config.train.steps}")
   _check_precision(config, source)
+  _check_data(config, source)
   if config.model.context > config.train.seq_len:
     raise ConfigError(f"context {config.model.context} is longer than train.seq_len={config.train.seq_len}.",
                       key="model.context", source=_source_of(source, "model.context", "train.seq_len"),

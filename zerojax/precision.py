@@ -60,25 +60,31 @@ class LossScale(NamedTuple):
     good_steps: int32, finite steps since the scale last changed or overflowed.
     hysteresis: int32, overflows still tolerated before the next backoff.
     consecutive_skips: int32, skipped steps in a row up to now.
+    total_skips: int32, skipped steps in all: the optimizer (and its schedule) has
+      taken `step - total_skips` updates.
   """
   scale: jax.Array
   good_steps: jax.Array
   hysteresis: jax.Array
   consecutive_skips: jax.Array
+  total_skips: jax.Array
 
 
 def init_loss_scale(cfg: LossScaling = NO_SCALING) -> LossScale:
-  return LossScale(jnp.asarray(2.0 ** cfg.initial_power, jnp.float32),
-                   jnp.zeros((), jnp.int32), jnp.asarray(cfg.hysteresis, jnp.int32),
-                   jnp.zeros((), jnp.int32))
+  zero = jnp.zeros((), jnp.int32)
+  return LossScale(jnp.asarray(2.0 ** cfg.initial_power, jnp.float32), zero,
+                   jnp.asarray(cfg.hysteresis, jnp.int32), zero, zero)
 
 
 def update_loss_scale(state: LossScale, finite: jax.Array,
                       cfg: LossScaling = NO_SCALING) -> LossScale:
   """The loss scale after a step whose gradients were `finite` (a bool scalar)."""
   skips = jnp.where(finite, 0, state.consecutive_skips + 1)
+  total = state.total_skips + jnp.where(finite, 0, 1)
+  state = state._replace(consecutive_skips=skips.astype(jnp.int32),
+                         total_skips=total.astype(jnp.int32))
   if not cfg.dynamic:
-    return state._replace(consecutive_skips=skips)
+    return state
   grow = finite & (state.good_steps + 1 >= cfg.window)
   back_off = ~finite & (state.hysteresis <= 1)
   scale = jnp.where(grow, state.scale * 2,
@@ -89,8 +95,8 @@ def update_loss_scale(state: LossScale, finite: jax.Array,
   # scale; it is restored only when the scale grows again.
   hysteresis = jnp.where(finite, jnp.where(grow, cfg.hysteresis, state.hysteresis),
                          jnp.maximum(state.hysteresis - 1, 1))
-  return LossScale(scale.astype(jnp.float32), good.astype(jnp.int32),
-                   hysteresis.astype(jnp.int32), skips.astype(jnp.int32))
+  return state._replace(scale=scale.astype(jnp.float32), good_steps=good.astype(jnp.int32),
+                        hysteresis=hysteresis.astype(jnp.int32))
 
 
 def all_finite(tree) -> jax.Array:

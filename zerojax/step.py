@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
 
 def state_shardings(plan: zero.ZeroPlan) -> TrainState:
   """The NamedSharding of every leaf of the train state."""
-  scalars = precision.LossScale(P(), P(), P(), P())
+  scalars = jax.tree.map(lambda _: P(), jax.eval_shape(precision.init_loss_scale))
   return plan.shardings(TrainState(step=P(), params=plan.param_specs,
                                    opt_state=plan.opt_specs, rng=P(), loss_scale=scalars))
 
@@ -276,7 +276,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                    consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),
                    loss_scale=loss_scale.scale, **aux)
     if learning_rate is not None:
-      lr = learning_rate(state.step) if callable(learning_rate) else learning_rate
+      # The schedule counts applied updates: skipped steps do not advance it.
+      applied = state.step - state.loss_scale.total_skips
+      lr = learning_rate(applied) if callable(learning_rate) else learning_rate
       metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
     return TrainState(state.step + 1, new_params, opt_state, state.rng,
                       loss_scale), metrics
