@@ -1,0 +1,481 @@
+"""The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+One file, read top to bottom: the config, the pieces (norm, rotary embeddings,
+attention), the block, the model, then the loss and the helpers a trainer needs.
+Layers run under `nn.scan` with a leading 'layers' axis; each layer's params pass
+through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer is
+gathered at a time (and, under remat, gathered again in the backward pass instead
+of being saved).
+
+Long context: the default attention loops over query blocks and recomputes each
+block's scores in the backward pass (no (heads, T, T) array is ever alive); the loss
+runs the final norm, head and log-softmax over `loss_chunk` positions at a time (the
+fp32 logits of a 128K vocabulary are never alive for the whole sequence).
+
+Parameters and the Hugging Face Llama tensor each one is (i = layer index). HF's
+`nn.Linear.weight` is (out, in) and ours (in, out), so kernels are transposed; layer
+params are stacked along a leading layers axis of size L:
+
+| zerojax                                | Hugging Face                                     |
+| -------------------------------------- | ------------------------------------------------ |
+| embed_tokens/embedding (V, D)          | model.embed_tokens.weight                        |
+| layers/input_layernorm/scale (L, D)    | model.layers.i.input_layernorm.weight            |
+| layers/self_attn/{q,k,v,o}_proj/kernel | model.layers.i.self_attn.{q,k,v,o}_proj.weight.T |
+| layers/post_attention_layernorm/scale  | model.layers.i.post_attention_layernorm.weight   |
+| layers/mlp/{gate,up,down}_proj/kernel  | model.layers.i.mlp.{gate,up,down}_proj.weight.T  |
+| norm/scale (D,)                        | model.norm.weight                                |
+| lm_head/kernel (D, V), absent if tied  | lm_head.weight.T                                 |
+
+Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
+G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
+
+from zerojax.zero import flax_logical_axes, gather
+
+Params = Any
+
+# What the backward pass keeps of each layer. Any policy but "none" recomputes a stage-3
+# layer's gathered weights instead of saving them (they are not matmul outputs); "none"
+# saves everything, the gathered weights of every layer included.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION = ("blocked", "dot_product")
+ROPE_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings"}
+INIT_STD = 0.02  # Hugging Face's initializer_range.
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Hyper-parameters, dtypes and memory knobs of a Llama model.
+
+  Attributes:
+    vocab_size: V.
+    d_model: D, the residual width.
+    n_layers: L.
+    n_heads: H, query heads; must divide d_model.
+    n_kv_heads: K, key/value heads; must divide n_heads (K = H: multi-head attention).
+    d_ff: F, the SwiGLU hidden width.
+    rope_theta: the rotary base (10000 for Llama 2, 500000 for Llama 3).
+    rope_scaling: None, or Llama 3.1's frequency scaling as a dict with keys factor,
+      low_freq_factor, high_freq_factor, original_max_position_embeddings.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: use the transposed token embedding as the output head.
+    param_dtype: dtype the params are stored in.
+    compute_dtype: dtype of activations and matmul inputs (norms, softmax, logits and
+      loss are fp32 whatever this is).
+    attention: 'blocked' (query blocks in a loop, each recomputed in the backward
+      pass; portable) or 'dot_product' (`jax.nn.dot_product_attention`: cuDNN flash
+      attention on GPU in bf16/fp16; XLA otherwise, which materialises the scores).
+    attention_block: query positions per block for 'blocked'.
+    loss_chunk: sequence positions per chunk of the head + loss.
+    remat: per-layer rematerialization, a key of `REMAT_POLICIES`: 'none', 'full'
+      (save only layer inputs) or 'dots' (also save matmul outputs without batch dims).
+  """
+  vocab_size: int = 256
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  d_ff: int = 384
+  rope_theta: float = 500000.0
+  rope_scaling: Any = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  param_dtype: Any = jnp.bfloat16
+  compute_dtype: Any = jnp.bfloat16
+  attention: str = "blocked"
+  attention_block: int = 512
+  loss_chunk: int = 1024
+  remat: str = "full"
+
+  def __post_init__(self):
+    for ok, message in [
+        (self.d_model % self.n_heads == 0, f"n_heads {self.n_heads} must divide d_model "
+         f"{self.d_model}"),
+        (self.n_heads % self.n_kv_heads == 0, f"n_kv_heads {self.n_kv_heads} must divide "
+         f"n_heads {self.n_heads}"),
+        (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
+        (self.attention in ATTENTION, f"attention must be one of {ATTENTION}"),
+        (self.remat in REMAT_POLICIES, f"remat must be one of {tuple(REMAT_POLICIES)}"),
+        (min(self.attention_block, self.loss_chunk) > 0,
+         "attention_block and loss_chunk must be positive"),
+        (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS,
+         f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}")]:
+      if not ok:
+        raise ValueError(f"LlamaConfig: {message} (got {self})")
+    if self.rope_scaling is not None:
+      # Hashable, so the config can be a Flax attribute or a static jit argument.
+      object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * scale, in fp32: [..., D] (any float), [D] -> f32[..., D]."""
+  x = x.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return x * scale.astype(jnp.float32)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm with a learned scale ('scale': param_dtype[D]); output in `dtype`."""
+  eps: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
+    return rms_norm(x, scale, self.eps).astype(self.dtype)
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+  """Rotary inverse frequencies, as Hugging Face computes them.
+
+  inv_freq[i] = 1 / theta^(2i / Dh); with `rope_scaling`, Llama 3.1's rule
+  (`_compute_llama3_parameters`): wavelengths above original / low_freq_factor are
+  divided by `factor`, those below original / high_freq_factor kept, those between
+  interpolated smoothly.
+
+  Returns:
+    float32[Dh // 2], a constant (numpy, computed in float64).
+  """
+  d = config.head_dim
+  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  if config.rope_scaling is not None:
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def rope_tables(config: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles at positions 0..T-1: float32[T, Dh] each."""
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_frequencies(config)
+  angles = jnp.concatenate([angles, angles], axis=-1)  # HF: both halves, same angles.
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """HF's rotate-half RoPE in fp32: x * cos + rotate_half(x) * sin.
+
+  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh]. Returns x's shape and dtype.
+  """
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> jax.Array:
+  """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
+
+  Scores are fp32 [B, K, G, S, T], masked causally, softmax in fp32. Returns
+  [B, S, K, G, Dh] in q's dtype.
+  """
+  Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
+  # Ties the mask to this block's queries. Computed from constants alone, it would be
+  # loop-invariant in the layer scan, and JAX hoists such values out of the loop: the
+  # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
+  start, q_blk = jax.lax.optimization_barrier((start, q_blk))
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
+  visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
+  p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.astype(q_blk.dtype)
+
+
+def _attend_blocks_fwd(q, k, v):
+  """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same; residuals q, k, v."""
+  starts = jnp.arange(q.shape[0]) * q.shape[2]
+  return jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1]), (q, starts)), (q, k, v)
+
+
+def _attend_blocks_bwd(res, ct):
+  # The forward kept only q, k, v: each block's scores are recomputed here, and dk, dv
+  # summed over blocks in fp32 (a `jax.checkpoint` per block would sum them in the
+  # compute dtype, in the transpose of the scan).
+  q, k, v = res
+  starts = jnp.arange(q.shape[0]) * q.shape[2]
+
+  def block(acc, xs):
+    q_blk, start, ct_blk = xs
+    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start), q_blk, k, v)
+    dq, dk, dv = vjp(ct_blk)
+    return (acc[0] + dk.astype(jnp.float32), acc[1] + dv.astype(jnp.float32)), dq
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(block, (zeros(k), zeros(v)), (q, starts, ct))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_attend_blocks = jax.custom_vjp(lambda q, k, v: _attend_blocks_fwd(q, k, v)[0])
+_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+  """Causal grouped-query attention, one block of queries at a time.
+
+  A loop over query blocks; each block's scores against all T keys are recomputed in
+  the backward pass instead of saved, so at most one block's (B, H, block, T) fp32
+  scores are alive, never (B, H, T, T). T need not be a multiple of `block` (the
+  queries are padded, the padding dropped).
+
+  Args:
+    q: [B, T, H, Dh]; query head h reads key/value head h // G (HF's `repeat_kv`).
+    k, v: [B, T, K, Dh].
+    block: query positions per block.
+
+  Returns:
+    [B, T, H, Dh] in q's dtype.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  size = min(block, T)
+  n = -(-T // size)
+  q = q.reshape(B, T, K, H // K, Dh)
+  q = jnp.pad(q, ((0, 0), (0, n * size - T), (0, 0), (0, 0), (0, 0)))
+  q = q.reshape(B, n, size, K, H // K, Dh).swapaxes(0, 1)  # [n, B, size, K, G, Dh]
+  out = _attend_blocks(q, k, v)
+  return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]
+
+
+# ------------------------------------------------------------------------ the model
+
+
+_dot_f32 = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+
+
+def _dense(config: LlamaConfig, features: int, names: tuple[str, str], name: str):
+  """A bias-free Dense layer: kernel param_dtype[in, out] with logical axis `names`."""
+  init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), names)
+  return nn.Dense(features, use_bias=False, dtype=config.compute_dtype,
+                  param_dtype=config.param_dtype, kernel_init=init, name=name)
+
+
+class Attention(nn.Module):
+  """Grouped-query causal self-attention with rotary embeddings (HF's `self_attn`)."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[T, Dh]."""
+    c = self.config
+    B, T, _ = x.shape
+    H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
+    q = _dense(c, H * Dh, ("embed", "heads"), "q_proj")(x).reshape(B, T, H, Dh)
+    k = _dense(c, K * Dh, ("embed", "kv_heads"), "k_proj")(x).reshape(B, T, K, Dh)
+    v = _dense(c, K * Dh, ("embed", "kv_heads"), "v_proj")(x).reshape(B, T, K, Dh)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if c.attention == "dot_product":
+      # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
+      cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5,
+                                         implementation="cudnn" if cudnn else "xla")
+    else:
+      out = blocked_attention(q, k, v, c.attention_block)
+    return _dense(c, c.d_model, ("heads", "embed"), "o_proj")(out.reshape(B, T, H * Dh))
+
+
+class Mlp(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x)) (HF's `mlp`)."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[B, T, D] -> [B, T, D], compute dtype."""
+    c = self.config
+    gate = _dense(c, c.d_ff, ("embed", "mlp"), "gate_proj")(x)
+    up = _dense(c, c.d_ff, ("embed", "mlp"), "up_proj")(x)
+    return _dense(c, c.d_model, ("mlp", "embed"), "down_proj")(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
+    """(x [B, T, D], (cos, sin)) -> (x, None): the `nn.scan` carry signature."""
+    c = self.config
+    norm = lambda name: RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, name=name)
+    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope)
+    x = x + Mlp(c, name="mlp")(norm("post_attention_layernorm")(x))
+    return x, None
+
+
+class Llama(nn.Module):
+  """The Llama decoder. `__call__` gives logits; `hidden` and `head` its two halves."""
+  config: LlamaConfig
+
+  def setup(self):
+    c = self.config
+    embed_init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD),
+                                              ("vocab", "embed"))
+    self.embed_tokens = nn.Embed(c.vocab_size, c.d_model, dtype=c.compute_dtype,
+                                 param_dtype=c.param_dtype, embedding_init=embed_init)
+    # Stage 3: each layer's params are gathered inside the scan body, and remat
+    # recomputes the gather in the backward pass instead of saving the weights.
+    block = nn.map_variables(Block, "params", trans_in_fn=gather, mutable=True)
+    if c.remat != "none":
+      block = nn.remat(block, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
+    self.layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=nn.broadcast, length=c.n_layers,
+                          metadata_params={nn.PARTITION_NAME: "layers"})(c)
+    self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype)
+    if not c.tie_embeddings:
+      init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("embed", "vocab"))
+      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
+                              param_dtype=c.param_dtype, kernel_init=init,
+                              dot_general=_dot_f32)  # bf16 inputs, fp32 logits.
+
+  def hidden(self, tokens: jax.Array) -> jax.Array:
+    """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`)."""
+    x = self.embed_tokens(tokens)
+    x, _ = self.layers(x, rope_tables(self.config, tokens.shape[1]))
+    return x
+
+  def head(self, x: jax.Array) -> jax.Array:
+    """[..., D] hidden states -> float32[..., V] logits (final norm, then the head)."""
+    c = self.config
+    x = self.norm(x)
+    if not c.tie_embeddings:
+      return self.lm_head(x)
+    w = self.embed_tokens.embedding.astype(c.compute_dtype)
+    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """int32[B, T] -> float32[B, T, V] next-token logits."""
+    return self.head(self.hidden(tokens))
+
+
+# ------------------------------------------------------------------- loss and helpers
+
+
+def logits(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
+  """Next-token logits, float32[B, T, V], for int32[B, T] tokens (tests, eval)."""
+  return Llama(config).apply({"params": params}, tokens)
+
+
+def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
+         rng: jax.Array | None = None) -> jax.Array:
+  """Mean next-token cross-entropy, fp32, with the head and loss chunked over T.
+
+  The final norm, head, log-softmax and NLL run under `lax.scan` over `loss_chunk`
+  positions at a time, each chunk under `jax.checkpoint`: only one chunk's fp32
+  logits [B, loss_chunk, V] are alive, forward or backward.
+
+  Args:
+    config: the model.
+    params: unboxed params (layer leaves may be `zerojax.Sharded` at ZeRO stage 3).
+    batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1].
+    rng: unused (no dropout); `zerojax.make_train_step` passes one.
+
+  Returns:
+    The float32 scalar mean over B x T positions.
+  """
+  del rng
+  model, variables = Llama(config), {"params": params}
+  tokens = batch["tokens"]
+  x = model.apply(variables, tokens[:, :-1], method=Llama.hidden)
+  targets = tokens[:, 1:]
+  B, T, _ = x.shape
+  size = min(config.loss_chunk, T)
+  n = -(-T // size)
+  pad = n * size - T
+  chunks = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
+      B, n, size, *a.shape[2:]).swapaxes(0, 1)
+  weights = (jnp.arange(n * size) < T).astype(jnp.float32).reshape(n, size)
+
+  @jax.checkpoint
+  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [size] -> scalar.
+    z = model.apply(variables, x, method=Llama.head)
+    logz = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - picked) * weights)
+
+  total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_nll(*xs), None),
+                          jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), weights))
+  return total / (B * T)
+
+
+def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
+  """Params boxed with logical axis names (for `jax.eval_shape`); shapes do not depend
+  on `seq_len`. HF's init: normal(0.02) for embeddings and kernels, ones for norms."""
+  return Llama(config).init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+
+
+def param_count(config: LlamaConfig) -> int:
+  """Total parameters, in closed form (equals the leaves' total)."""
+  c = config
+  D, V, q_dim, kv_dim = c.d_model, c.vocab_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  layer = 2 * D + D * q_dim + 2 * D * kv_dim + q_dim * D + 3 * D * c.d_ff
+  return V * D + c.n_layers * layer + D + (0 if c.tie_embeddings else D * V)
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token (forward + backward), for MFU.
+
+  6 N for the N parameters used in matmuls (every layer's projections and the head;
+  not the embedding lookup or the norms), plus attention's QK^T and PV: 12 L H Dh T,
+  halved when `causal` (only the visible half of the scores is model work, as
+  MaxText counts; PaLM's formula counts all of it). Remat's recomputation is not
+  counted: this is model FLOPs.
+  """
+  c = config
+  D, q_dim, kv_dim = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  matmul = c.n_layers * (2 * D * q_dim + 2 * D * kv_dim + 3 * D * c.d_ff) + D * c.vocab_size
+  attention = 12 * c.n_layers * q_dim * seq_len * (0.5 if causal else 1.0)
+  return 6.0 * matmul + attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaLM:
+  """The model as zerojax's train step wants it: pure functions of (params, inputs).
+
+  Same interface as `MlpLM`: `init(rng)`, `loss(params, batch, rng)`,
+  `logical_axes()`, plus `logits(params, tokens)`.
+  """
+  config: LlamaConfig
+
+  def init(self, rng: jax.Array) -> Params:
+    """Unboxed params in `param_dtype` (for `zerojax.init_state`)."""
+    return nn.unbox(init_params(self.config, rng))
+
+  def logical_axes(self) -> Params:
+    """Axis names per parameter dimension, for `zerojax.make_plan(logical_axes=...)`."""
+    boxed = jax.eval_shape(lambda rng: init_params(self.config, rng), jax.random.key(0))
+    return flax_logical_axes(boxed)
+
+  def loss(self, params: Params, batch: dict[str, jax.Array], rng: jax.Array = None):
+    return loss(self.config, params, batch, rng)
+
+  def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
+    return logits(self.config, params, tokens)
