@@ -1,19 +1,41 @@
 """Trains a language model with ZeRO: the one trainer, built only from library calls.
 
-    python train.py                                    # configs/tiny.py, under a minute on CPU
-    python train.py --config configs/tiny.py --config.zero.stage=2 --config.train.steps=50
-    python train.py --config configs/tiny.py --dry_run # build and compile, run no step
+    python train.py                                     # configs/tiny.py on CPU, a few minutes
+    python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/x
+    python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64
 
-Prints a header (devices, mesh, stage, parameters, state bytes per device), one line
-every train.log_every steps, the held-out loss every train.eval_every steps (0: only
-at the end) and a summary. With `workdir` set, process 0 also appends every line's
-numbers to <workdir>/metrics.jsonl.
+At start it prints the resolved config (saved as <workdir>/config.json), the mesh, the
+parameter count and the compiled per-device memory of the step; then a progress line
+every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
+and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
+abstract inputs (nothing is allocated, so a 70B config works on a laptop with
+`--fake_devices`) and exits. Bad config or data: one message, exit status 2.
 """
 
-import argparse
-import json
 import os
 import sys
+
+
+def _fake_devices(argv: list[str]) -> None:
+  """`--fake_devices N`: N CPU devices, set before JAX is imported (hence up here)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--fake_devices"):
+      n = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+      # The memory-optimized scheduler, and no hoisting of whole-stack f32 copies out of
+      # the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
+      os.environ["XLA_FLAGS"] = " ".join([
+          os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}",
+          "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+          "--xla_disable_hlo_passes=while-loop-invariant-code-motion"])
+      os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+if __name__ == "__main__":
+  _fake_devices(sys.argv[1:])
+
+# pylint: disable=wrong-import-position
+import argparse
+import json
 import time
 
 import jax
@@ -22,54 +44,46 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import zerojax
-from zerojax import data, optim, precision
+from zerojax import data, metrics, models, optim, precision
 from zerojax.config import exit_on_config_error, load_config, parse_argv
 from zerojax.mesh import mesh_from_config
-from zerojax.models.mlp_lm import MlpLM
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
-def log(workdir: str, text: str | None, **record) -> None:
-  """Prints `text` and appends `record` to metrics.jsonl, on process 0 only."""
-  if jax.process_index() != 0:
-    return
-  if text is not None:
-    print(text, flush=True)
-  if workdir and record:
-    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
-      f.write(json.dumps(record) + "\n")
-
-
-def bytes_per_device(tree) -> int:
-  """The most bytes any local device holds of `tree`'s arrays (their addressable shards)."""
-  per_device = {}
-  for leaf in jax.tree.leaves(tree):
-    for shard in leaf.addressable_shards:
-      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-  return max(per_device.values(), default=0)
+def compiled_memory(step, state, batch) -> dict[str, int]:
+  """Per-device bytes of the compiled step (arguments, temporaries, outputs)."""
+  mem = step.lower(state, batch).compile().memory_analysis()
+  return dict(arguments=mem.argument_size_in_bytes, temporaries=mem.temp_size_in_bytes,
+              outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes)
 
 
 @exit_on_config_error
 def main(argv: list[str]) -> int:
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
   parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
-  parser.add_argument("--dry_run", action="store_true", help="build and compile, run no step")
+  parser.add_argument("--dry_run", action="store_true",
+                      help="compile the step from abstract inputs, report memory, train nothing")
+  parser.add_argument("--fake_devices", type=int, default=0,
+                      help="run on this many fake CPU devices (read before JAX starts)")
+  parser.add_argument("--workdir", default=None, help="overrides config.workdir")
   args = parser.parse_args(rest)
+  if args.workdir is not None:
+    overrides = [*overrides, f"workdir={args.workdir}"]
   # Every config mistake surfaces here, before anything touches a device.
   config = load_config(path, overrides, num_devices=jax.device_count())
   c, t = config, config.train
+  report = metrics.Reporter(c.workdir)
   if c.workdir and jax.process_index() == 0:
-    os.makedirs(c.workdir, exist_ok=True)
+    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+  report(f"config {path} {' '.join(overrides)}\n{config}")
 
   # Every data mistake surfaces here too, before the model is built or compiled.
   train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
                                                cache_dir=c.workdir)
   mesh = mesh_from_config(c)
-  model = MlpLM(vocab_size=c.model.vocab_size, d_model=c.model.d_model, d_ff=c.model.d_ff,
-                n_layers=c.model.n_layers, context=c.model.context, remat=c.model.remat,
-                param_dtype=jnp.dtype(c.precision.param_dtype),
-                compute_dtype=jnp.dtype(c.precision.compute_dtype))
+  model = models.from_config(c)
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
   loss_scaling = precision.loss_scaling_from_config(c.precision)
@@ -77,14 +91,33 @@ def main(argv: list[str]) -> int:
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, key), tx,
                            logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size)
-  state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
   train_step = zerojax.make_train_step(
       plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
       learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
       accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
-  eval_step = zerojax.make_eval_step(plan, model.loss)
+  abstract_batch = {"tokens": jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1),
+                                                   jnp.int32, sharding=batch_sharding)}
 
+  # Compiled from abstract inputs: the memory is known before anything is allocated.
+  start = time.perf_counter()
+  mem = compiled_memory(train_step, zerojax.abstract_state(plan), abstract_batch)
+  n_params = sum(x.size for x in jax.tree.leaves(plan.params))
+  shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+  total = mem["arguments"] + mem["temporaries"]
+  report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  mesh {shape}  "
+         f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
+         f"tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M\n"
+         f"per-device memory (compiled): arguments {metrics.fmt_bytes(mem['arguments'])} + "
+         f"temporaries {metrics.fmt_bytes(mem['temporaries'])} = {metrics.fmt_bytes(total)}  "
+         f"(compile {time.perf_counter() - start:.1f}s)",
+         devices=jax.device_count(), mesh=dict(mesh.shape), stage=c.zero.stage,
+         params=n_params, memory=mem)
+  if args.dry_run:
+    return 0
+
+  state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
+  eval_step = zerojax.make_eval_step(plan, model.loss)
   rows = data.process_rows(t.global_batch_size)
 
   def batch(source, step, seed):
@@ -100,56 +133,37 @@ def main(argv: list[str]) -> int:
     # float() waits for each batch: one program with collectives in flight at a time.
     return float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
 
-  # Compile ahead of time, so a dry run checks the whole step and tokens/s excludes it.
-  start = time.perf_counter()
-  train_step = train_step.lower(state, batch(train_tokens, 0, c.seed)).compile()
-  compile_s = time.perf_counter() - start
-
-  n_params = sum(x.size for x in jax.tree.leaves(plan.params))
-  param_b, opt_b = bytes_per_device(state.params), bytes_per_device(state.opt_state)
-  shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
-  log(c.workdir, f"devices {jax.device_count()} ({jax.default_backend()})  mesh {shape}  "
-      f"stage {c.zero.stage}  params {n_params / 1e6:.2f}M  state/device "
-      f"{(param_b + opt_b) / 2**20:.2f} MiB (params {param_b / 2**20:.2f} + opt {opt_b / 2**20:.2f})"
-      f"  tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M  "
-      f"compile {compile_s:.1f}s", devices=jax.device_count(), mesh=dict(mesh.shape),
-      stage=c.zero.stage, params=n_params, param_bytes_per_device=param_b,
-      opt_bytes_per_device=opt_b)
-  if args.dry_run:
-    return 0
-
-  eval_loss = evaluate()
-  log(c.workdir, f"step {0:5d}  eval_loss {eval_loss:.4f}", step=0, eval_loss=eval_loss)
-  tick, tokens_seen, previous = time.perf_counter(), 0, None
-
-  def check_skips(step, metrics):
-    m = {k: float(metrics[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
+  def check_skips(step, m):
+    m = {k: float(m[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
     line = precision.check_skips(step, m, c.precision.max_consecutive_skips)
     if line:
-      log(c.workdir, line, step=step, skipped=True, loss_scale=m["loss_scale"])
+      report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
+  eval_loss = evaluate()
+  report(f"step {0:6d}  eval_loss {eval_loss:.4f}", step=0, eval_loss=eval_loss)
+  tokens_per_step = t.global_batch_size * t.seq_len
+  peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
+  speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
+  previous = None
   for step in range(1, t.steps + 1):
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
-    state, metrics = train_step(state, batch(train_tokens, step - 1, c.seed))
-    tokens_seen += t.global_batch_size * t.seq_len
+    state, m = train_step(state, batch(train_tokens, step - 1, c.seed))
+    speed.step(step)
     # Skips are checked one step late, so reading them never stalls the device queue.
     if previous:
       check_skips(*previous)
-    previous = (step, metrics)
+    previous = (step, m)
     if step % t.log_every == 0 or step in (1, t.steps):
-      m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # Waits for the step.
-      now = time.perf_counter()
-      rate, tick, tokens_seen = tokens_seen / (now - tick), now, 0
-      log(c.workdir, f"step {step:5d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}  "
-          f"lr {m['learning_rate']:.2e}  tokens/s {rate:,.0f}", step=step, loss=m["loss"],
-          grad_norm=m["grad_norm"], learning_rate=m["learning_rate"], tokens_per_s=rate)
+      m = {k: float(v) for k, v in jax.device_get(m).items()}  # Waits for the step.
+      rates = speed.report(step)
+      report(metrics.progress_line(step, t.steps, m, rates), step=step, **m, **rates)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
       eval_loss = evaluate()
-      log(c.workdir, f"step {step:5d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+      report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
   check_skips(*previous)
-  log(c.workdir, f"done: {t.steps} steps  final train loss {m['loss']:.4f}  "
-      f"final eval loss {eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
-      final_eval_loss=eval_loss)
+  report(f"done: {t.steps} steps  final train loss {m['loss']:.4f}  final eval loss "
+         f"{eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
+         final_eval_loss=eval_loss)
   return 0
 
 

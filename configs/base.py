@@ -58,15 +58,28 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.log_every = 10  # Print metrics every this many steps.
   c.train.eval_every = 50  # Held-out loss every this many steps; 0 disables.
   c.train.eval_batches = 4  # Held-out batches per evaluation.
+  c.train.peak_flops = 0.0  # Peak FLOP/s of one device, for MFU; 0 = from the device kind (none on CPU).
 
   c.model = ml_collections.ConfigDict()
-  c.model.name = "mlp_lm"  # Model family: mlp_lm (a scanned residual MLP language model).
+  c.model.name = "llama"  # Model family: llama | mlp_lm (a small scanned MLP LM, for tests).
   c.model.vocab_size = 256  # Token vocabulary (256 = bytes).
   c.model.d_model = 128  # Residual stream width.
-  c.model.d_ff = 512  # Hidden width of each MLP block.
-  c.model.n_layers = 4  # Blocks, run under lax.scan.
-  c.model.context = 8  # Previous tokens each position mixes in (causal, per block).
-  c.model.remat = "dots"  # Backward-pass recompute per layer: none | full | dots (keep matmul outputs).
+  c.model.d_ff = 384  # Hidden width of each MLP block.
+  c.model.n_layers = 4  # Blocks, run under nn.scan / lax.scan.
+  c.model.n_heads = 4  # llama: query heads.
+  c.model.n_kv_heads = 2  # llama: key/value heads (grouped-query attention; divides n_heads).
+  c.model.rope_theta = 500000.0  # llama: rotary base frequency.
+  c.model.rope_scaling_factor = 0.0  # llama: Llama 3.1 RoPE scaling factor; 0 = off.
+  c.model.rope_low_freq_factor = 1.0  # llama: Llama 3.1 scaling, low-frequency factor.
+  c.model.rope_high_freq_factor = 4.0  # llama: Llama 3.1 scaling, high-frequency factor.
+  c.model.rope_original_context = 8192  # llama: Llama 3.1 scaling, original max positions.
+  c.model.norm_eps = 1e-5  # llama: RMSNorm epsilon.
+  c.model.tie_embeddings = False  # llama: output head shares the embedding matrix.
+  c.model.attention = "blocked"  # llama: blocked (query blocks, recomputed) | dot_product (cuDNN on GPU).
+  c.model.attention_block = 512  # llama: query positions per attention block.
+  c.model.loss_chunk = 1024  # llama: sequence positions per loss chunk (fp32 logits).
+  c.model.context = 8  # mlp_lm: previous tokens each position mixes in.
+  c.model.remat = "full"  # Backward-pass recompute per layer: none | full | dots (keep matmul outputs).
 
   c.data = ml_collections.ConfigDict()
   c.data.name = "stdlib"  # stdlib (Python source as bytes, no download) | tokens (.bin/.npy) | text (.txt/.jsonl).

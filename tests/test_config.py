@@ -29,7 +29,7 @@ def test_base_and_tiny_load_and_validate():
   tiny = zc.load_config(TINY, num_devices=8)
   # tiny starts from base: same keys, only values differ.
   assert tiny.to_dict().keys() == base.to_dict().keys()
-  assert tiny.model.d_model < base.model.d_model
+  assert tiny.train.steps != base.train.steps
   for n in (1, 2, 4, 8, 16):
     zc.validate(tiny, num_devices=n)
   zc.validate(zc.base_config())
@@ -114,7 +114,9 @@ BAD_FILES = [
     ("c.optimizer.warmup_steps = 500", "optimizer.warmup_steps", "train.steps"),
     ("c.optimizer.b2 = 1.0", "optimizer.b2", "[0, 1)"),
     ("c.optimizer.learning_rate = 0", "optimizer.learning_rate", "> 0"),
-    ("c.model.context = 1000", "model.context", "train.seq_len"),
+    ("c.model.name = 'mlp_lm'; c.model.context = 1000", "model.context", "train.seq_len"),
+    ("c.model.context = 16", "model.context", "mlp_lm"),
+    ("c.model.n_kv_heads = 3", "model.n_kv_heads", "divide"),
     ("c.data.eval_fraction = 0.9", "data.eval_fraction", "(0, 0.5]"),
     ("c.train.microbatches = 3", "train.global_batch_size", "microbatches"),
     ("del c.zero['stage']", "zero.stage", "missing"),

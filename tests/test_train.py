@@ -29,6 +29,7 @@ def run_train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 def test_train_stage3_loss_falls(tmp_path):
   result = run_train("--config", TINY, "--config.train.steps=30", "--config.zero.stage=3",
+                     "--config.train.log_every=10", "--config.train.eval_every=0",
                      "--config.mesh.data=2", "--config.optimizer.warmup_steps=5",
                      f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]

@@ -57,7 +57,7 @@ _ENUMS: dict[str, tuple[Any, ...]] = {
     "optimizer.state_dtype": _DTYPES,
     "optimizer.update_rule": ("nearest", "kahan", "stochastic", "master"),
     "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "lion", "sgd"),
-    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("mlp_lm",), "model.remat": ("none", "full", "dots"),
+    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("llama", "mlp_lm"), "model.attention": ("blocked", "dot_product"), "model.remat": ("none", "full", "dots"),
     "data.name": ("stdlib", "tokens", "text"), "data.dtype": ("uint16", "uint32"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat": "bfloat16", "fp32": "float32", "f32": "float32",
@@ -77,6 +77,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.seq_len": _POS, "train.log_every": _POS, "train.eval_every": _NONNEG,
     "train.eval_batches": (lambda v: v >= 1, ">= 1"), "model.vocab_size": _POS, "model.d_model": _POS,
     "model.d_ff": _POS, "model.n_layers": _POS, "model.context": (lambda v: v >= 1, ">= 1"),
+    "model.n_heads": _POS, "model.n_kv_heads": _POS, "model.rope_theta": _POS,
+    "model.rope_scaling_factor": _NONNEG, "model.rope_low_freq_factor": _POS,
+    "model.rope_high_freq_factor": _POS, "model.rope_original_context": _POS, "model.norm_eps": _POS,
+    "model.attention_block": _POS, "model.loss_chunk": _POS, "train.peak_flops": _NONNEG,
     "data.eval_fraction": (lambda v: 0 < v <= 0.5, "in (0, 0.5]"),
     "data.eos_id": (lambda v: v >= -1, "a token id >= 0, or -1 for the tokenizer's end-of-sequence token"),
     "precision.loss_scale.initial_power": (lambda v: 0 <= v <= 40, "in [0, 40]"),
@@ -289,6 +293,37 @@ def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: 
                           "or change train.microbatches")
 
 
+# Keys that only one model family reads: setting one for the other family is an error,
+# not a silently ignored value.
+_MODEL_ONLY = {
+    "mlp_lm": ("context",),
+    "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
+              "rope_high_freq_factor", "rope_original_context", "norm_eps", "tie_embeddings",
+              "attention", "attention_block", "loss_chunk"),
+}
+
+
+def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
+  m, base = config.model, _schema()[0]
+  for family, keys in _MODEL_ONLY.items():
+    if family == m.name:
+      continue
+    for key in keys:
+      if m[key] != base[f"model.{key}"]:
+        raise ConfigError(f"is set to {m[key]!r}, but only model.name={family!r} reads it and this "
+                          f"model is {m.name!r}.", key=f"model.{key}", source=_source_of(source, f"model.{key}"),
+                          fix=f"remove it, or set model.name={family!r}")
+  if m.name == "llama":
+    where = _source_of(source, "model.n_heads", "model.n_kv_heads", "model.d_model")
+    if m.n_heads % m.n_kv_heads:
+      raise ConfigError(f"n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}.",
+                        key="model.n_kv_heads", source=where, fix="use a divisor of n_heads")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+      raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even size "
+                        "(rotary embeddings rotate pairs).", key="model.d_model", source=where,
+                        fix="choose d_model divisible by 2 * n_heads")
+
+
 def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
   """Dtype combinations that cannot work, or silently do nothing."""
   p, o = config.precision, config.optimizer
@@ -369,8 +404,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       source=_source_of(source, "optimizer.warmup_steps", "train.steps"),
                       fix=f"use optimizer.warmup_steps <= {config.train.steps}")
   _check_precision(config, source)
+  _check_model(config, source)
   _check_data(config, source)
-  if config.model.context > config.train.seq_len:
+  if config.model.name == "mlp_lm" and config.model.context > config.train.seq_len:
     raise ConfigError(f"context {config.model.context} is longer than train.seq_len={config.train.seq_len}.",
                       key="model.context", source=_source_of(source, "model.context", "train.seq_len"),
                       fix=f"use model.context <= {config.train.seq_len}")

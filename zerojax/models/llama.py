@@ -479,3 +479,6 @@ class LlamaLM:
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     return logits(self.config, params, tokens)
+
+  def flops_per_token(self, seq_len: int) -> float:
+    return flops_per_token(self.config, seq_len)

@@ -61,6 +61,12 @@ class MlpLM:
         "head": normal(k[4], (D, V), D),
     }
 
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the matmul parameters (mixing, MLP, head)."""
+    del seq_len  # No attention.
+    D, F, L, V, C = self.d_model, self.d_ff, self.n_layers, self.vocab_size, self.context
+    return 6.0 * (L * (2 * D * F + C * D) + D * V)
+
   def logical_axes(self) -> dict[str, Any]:
     """Axis names per parameter dimension, for `zerojax.make_plan`."""
     return {
