@@ -123,3 +123,25 @@ def test_optimizer_from_config_updates(name):
   updates, _ = tx.update({"w": jax.numpy.ones((3, 2))}, tx.init(params), params)
   assert float(schedule(0)) == pytest.approx(c.learning_rate)
   assert (np.asarray(updates["w"]) < 0).all()  # Against the gradient (and the decay).
+
+
+def test_dry_run_compiles_70b_for_64_devices_without_allocating(tmp_path):
+  """The 70B config compiles from abstract inputs on 64 fake devices and fits 40 GB."""
+  result = run_train("--config", os.path.join(REPO, "configs", "70b_bf16.py"), "--dry_run",
+                     "--fake_devices", "64", f"--workdir={tmp_path}", timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  header = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+  assert header["devices"] == 64 and 68e9 <= header["params"] <= 71e9
+  per_device = header["memory"]["arguments"] + header["memory"]["temporaries"]
+  assert per_device <= 40e9, header["memory"]
+  # The arguments are the model state: bf16 params, mu, nu and Kahan buffer, 8 bytes per
+  # parameter over 64 devices; the gradient shard (fp32) lives among the temporaries.
+  assert abs(header["memory"]["arguments"] / (8 * header["params"] / 64) - 1) < 0.01
+  assert "final" not in result.stdout  # Nothing trained.
+
+
+def test_missing_data_file_exits_2_without_traceback(tmp_path):
+  result = run_train("--config", TINY, "--config.data.name=tokens",
+                     f"--config.data.path={tmp_path / 'nope.bin'}", timeout=60)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert "nope.bin" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,45 @@
+"""Llama-3-70B shape: bf16 params, Kahan-compensated AdamW with bf16 state, ZeRO-3.
+
+    python train.py --config configs/70b_bf16.py --config.data.name=tokens --config.data.path=...
+    python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64   # compile only
+
+Hardware: 64 GPUs of 80 GB (one 4096-token sequence per device and step), or 16 with
+`--config.train.microbatches=4`. Model state is 10 bytes per parameter (bf16 params,
+bf16 mu and nu, bf16 Kahan buffer; gradients reduce-scattered in fp32 per layer).
+"""
+
+import ml_collections
+
+from zerojax.config import base_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = base_config()
+  c.model.name = "llama"
+  c.model.vocab_size = 128256
+  c.model.d_model = 8192
+  c.model.n_layers = 80
+  c.model.n_heads = 64
+  c.model.n_kv_heads = 8
+  c.model.d_ff = 28672
+  c.model.rope_theta = 500000.0
+  c.model.rope_scaling_factor = 8.0  # Llama 3.1 long-context frequencies.
+  c.model.norm_eps = 1e-5
+  c.model.remat = "full"
+  c.model.attention_block = 512
+  c.model.loss_chunk = 1024
+  c.precision.param_dtype = "bfloat16"
+  c.precision.compute_dtype = "bfloat16"
+  c.optimizer.name = "adamw"
+  c.optimizer.state_dtype = "bfloat16"
+  c.optimizer.update_rule = "kahan"
+  c.optimizer.learning_rate = 1.5e-4
+  c.optimizer.warmup_steps = 2000
+  c.optimizer.b2 = 0.95
+  c.zero.stage = 3
+  c.train.seq_len = 4096
+  c.train.global_batch_size = 64  # One sequence per device on 64 devices.
+  c.train.steps = 100_000
+  c.train.log_every = 10
+  c.train.eval_every = 1000
+  return c
