@@ -145,6 +145,7 @@ def main(argv: list[str]) -> int:
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
   previous = None
+  report.start_bar(t.steps)
   for step in range(1, t.steps + 1):
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
     state, m = train_step(state, batch(train_tokens, step - 1, c.seed))
@@ -156,11 +157,16 @@ def main(argv: list[str]) -> int:
     if step % t.log_every == 0 or step in (1, t.steps):
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # Waits for the step.
       rates = speed.report(step)
-      report(metrics.progress_line(step, t.steps, m, rates), step=step, **m, **rates)
+      line = metrics.progress_line(step, t.steps, m, rates)
+      report(line, step=step, **m, **rates)
+      report.advance(step, line.split("  ", 1)[1])
+    else:
+      report.advance(step)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
       eval_loss = evaluate()
       report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
   check_skips(*previous)
+  report.stop_bar()
   report(f"done: {t.steps} steps  final train loss {m['loss']:.4f}  final eval loss "
          f"{eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
          final_eval_loss=eval_loss)

@@ -46,18 +46,45 @@ def fmt_bytes(n: float) -> str:
 
 
 class Reporter:
-  """Prints lines and appends JSON records to `<workdir>/metrics.jsonl` (process 0)."""
+  """Prints lines and appends JSON records to `<workdir>/metrics.jsonl` (process 0).
+
+  On a terminal, `start_bar` adds a rich progress bar (loss, tokens/s, MFU, ETA) below
+  the printed lines; in a log file there is no bar, the lines say the same.
+  """
 
   def __init__(self, workdir: str = ""):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl") if workdir else ""
+    self.bar, self.task = None, None
     if self.enabled and workdir:
       os.makedirs(workdir, exist_ok=True)
+
+  def start_bar(self, total: int) -> None:
+    if not (self.enabled and sys.stdout.isatty()):
+      return
+    from rich import progress  # pylint: disable=g-import-not-at-top
+    self.bar = progress.Progress(
+        progress.TextColumn("{task.description}"), progress.BarColumn(),
+        progress.MofNCompleteColumn(), progress.TimeRemainingColumn(), transient=True)
+    self.task = self.bar.add_task("training", total=total)
+    self.bar.start()
+
+  def advance(self, step: int, description: str | None = None) -> None:
+    if self.bar is not None:
+      self.bar.update(self.task, completed=step,
+                      **({"description": description} if description else {}))
+
+  def stop_bar(self) -> None:
+    if self.bar is not None:
+      self.bar.stop()
+      self.bar = None
 
   def __call__(self, text: str | None = None, **record) -> None:
     if not self.enabled:
       return
-    if text is not None:
+    if text is not None and self.bar is not None:
+      self.bar.console.print(text, highlight=False, markup=False)  # Above the bar.
+    elif text is not None:
       print(text, flush=True)
     if self.path and record:
       with open(self.path, "a") as f:
