@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 import zerojax
-from zerojax import data, metrics, models, optim, precision
+from zerojax import checkpoint, data, metrics, models, optim, precision
 from zerojax.config import exit_on_config_error, load_config, parse_argv
 from zerojax.mesh import mesh_from_config
 
@@ -78,6 +78,16 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   report(f"config {path} {' '.join(overrides)}\n{config}")
+  # Checkpoints in <workdir>/checkpoints; a config that contradicts the newest one is an
+  # error now, before anything is compiled (CheckpointError: exit 2).
+  ckpt, run_meta = None, {"config": config.to_dict()}
+  if c.workdir:
+    k = c.checkpoint
+    ckpt = checkpoint.Checkpointer(
+        os.path.join(c.workdir, "checkpoints"), save_every_steps=k.every_steps,
+        save_every_minutes=k.every_minutes, keep=k.keep, keep_every=k.keep_every,
+        async_save=k.async_save, log=report)
+    ckpt.check_config(config)
 
   # Every data mistake surfaces here too, before the model is built or compiled.
   train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
@@ -116,7 +126,16 @@ def main(argv: list[str]) -> int:
   if args.dry_run:
     return 0
 
-  state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
+  # Resume from the newest intact checkpoint in the workdir, if any (a damaged one is
+  # reported and skipped); a config that contradicts it is a CheckpointError (exit 2).
+  restored = ckpt.restore_latest(plan, config=config) if ckpt else None
+  if restored:
+    state, meta = restored
+    report(f"resumed from {ckpt.directory}/{meta['step']}", step=meta["step"], resumed=True)
+  else:
+    state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
+  start = int(state.step)  # The data position: batches are a pure function of the step.
+  stop = checkpoint.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
   eval_step = zerojax.make_eval_step(plan, model.loss)
   rows = data.process_rows(t.global_batch_size)
 
@@ -140,13 +159,13 @@ def main(argv: list[str]) -> int:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
   eval_loss = evaluate()
-  report(f"step {0:6d}  eval_loss {eval_loss:.4f}", step=0, eval_loss=eval_loss)
+  report(f"step {start:6d}  eval_loss {eval_loss:.4f}", step=start, eval_loss=eval_loss)
   tokens_per_step = t.global_batch_size * t.seq_len
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
   previous = None
   report.start_bar(t.steps)
-  for step in range(1, t.steps + 1):
+  for step in range(start + 1, t.steps + 1):
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
     state, m = train_step(state, batch(train_tokens, step - 1, c.seed))
     speed.step(step)
@@ -165,6 +184,24 @@ def main(argv: list[str]) -> int:
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
       eval_loss = evaluate()
       report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+    if ckpt:
+      ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
+    if stop(step):
+      if ckpt:
+        ckpt.save(step, state, run_meta)  # No-op if maybe_save just saved this step.
+        ckpt.close()  # Waits for the write to commit.
+      report.stop_bar()
+      report(f"stopped by signal {stop.received} after step {step}: "
+             + ("saved; the same command resumes" if ckpt else "no workdir, nothing saved"),
+             step=step, stopped=True)
+      return 0
+  stop.close()
+  if ckpt:
+    ckpt.save(t.steps, state, run_meta)  # The final state (no-op if already saved).
+    ckpt.close()
+  if previous is None:
+    report(f"done: already at step {start} of {t.steps}", step=start)
+    return 0
   check_skips(*previous)
   report.stop_bar()
   report(f"done: {t.steps} steps  final train loss {m['loss']:.4f}  final eval loss "
@@ -179,7 +216,8 @@ def run(argv: list[str]) -> int:
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 3
-  except data.DataError as e:  # Bad data, like a bad config: the message, no traceback.
+  except (data.DataError, checkpoint.CheckpointError) as e:  # Like a bad config: exit 2.
+    # The message, no traceback.
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 2
 

@@ -60,6 +60,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.eval_batches = 4  # Held-out batches per evaluation.
   c.train.peak_flops = 0.0  # Peak FLOP/s of one device, for MFU; 0 = from the device kind (none on CPU).
 
+  c.checkpoint = ml_collections.ConfigDict()  # Only when workdir is set: <workdir>/checkpoints.
+  c.checkpoint.every_steps = 100  # Save every this many steps; 0 = not by step.
+  c.checkpoint.every_minutes = 0.0  # Also save once this many minutes passed since the last save; 0 = off.
+  c.checkpoint.keep = 3  # Keep the newest this many; 0 = all.
+  c.checkpoint.keep_every = 0  # Also keep steps that are multiples of this, forever; 0 = none.
+  c.checkpoint.async_save = True  # Write in the background while training goes on.
+
   c.model = ml_collections.ConfigDict()
   c.model.name = "llama"  # Model family: llama | mlp_lm (a small scanned MLP LM, for tests).
   c.model.vocab_size = 256  # Token vocabulary (256 = bytes).

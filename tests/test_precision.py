@@ -335,7 +335,8 @@ def test_train_stops_with_status_3_when_gradients_stay_non_finite():
   # The scale starts at 2^40 and may not go below it: every fp16 backward overflows.
   result = run_train(*FP16, "--config.precision.loss_scale.initial_power=40",
                      f"--config.precision.loss_scale.min_scale={2.0 ** 40}",
-                     "--config.precision.max_consecutive_skips=3", "--config.train.steps=20")
+                     "--config.precision.max_consecutive_skips=3", "--config.train.steps=20",
+                     "--config.optimizer.warmup_steps=5")
   assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
   assert "Traceback" not in result.stderr, result.stderr[-3000:]
   error = [l for l in result.stderr.splitlines() if l.startswith("error:")]

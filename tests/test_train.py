@@ -168,3 +168,27 @@ def test_train_runs_on_one_device(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   header = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
   assert header["devices"] == 1
+
+
+def test_stop_and_resume_gives_the_same_losses(tmp_path):
+  """10 steps, stop, 10 more from the checkpoint == 20 steps straight (constant lr)."""
+  common = ("--config", TINY, "--config.optimizer.schedule=constant",
+            "--config.optimizer.warmup_steps=0", "--config.train.log_every=1",
+            "--config.train.eval_every=0", "--config.train.eval_batches=1")
+
+  def losses(workdir):
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  assert run_train(*common, "--config.train.steps=20", f"--workdir={straight}").returncode == 0
+  first = run_train(*common, "--config.train.steps=10", f"--workdir={resumed}")
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = run_train(*common, "--config.train.steps=20", f"--workdir={resumed}")
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "resumed from" in second.stdout
+  a, b = losses(straight), losses(resumed)
+  assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
+  # A different model shape in the same workdir is refused before anything compiles.
+  clash = run_train(*common, "--config.model.d_model=64", f"--workdir={resumed}")
+  assert clash.returncode == 2 and "d_model" in clash.stderr and "Traceback" not in clash.stderr

@@ -81,6 +81,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.rope_scaling_factor": _NONNEG, "model.rope_low_freq_factor": _POS,
     "model.rope_high_freq_factor": _POS, "model.rope_original_context": _POS, "model.norm_eps": _POS,
     "model.attention_block": _POS, "model.loss_chunk": _POS, "train.peak_flops": _NONNEG,
+    "checkpoint.every_steps": _NONNEG, "checkpoint.every_minutes": _NONNEG,
+    "checkpoint.keep": _NONNEG, "checkpoint.keep_every": _NONNEG,
     "data.eval_fraction": (lambda v: 0 < v <= 0.5, "in (0, 0.5]"),
     "data.eos_id": (lambda v: v >= -1, "a token id >= 0, or -1 for the tokenizer's end-of-sequence token"),
     "precision.loss_scale.initial_power": (lambda v: 0 <= v <= 40, "in [0, 40]"),

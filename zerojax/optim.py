@@ -171,6 +171,33 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
   return optax.GradientTransformation(init, update)
 
 
+# --- Leafwise transforms --------------------------------------------------------------
+
+
+class LeafwiseTransformation(optax.GradientTransformation):
+  """A transform whose update of each parameter element is elementwise.
+
+  That is: the new value of each element of each param (and of the state leaves that
+  mirror it) depends only on that element's gradient, param and state and on the
+  state's scalars (step counts), never on other elements or leaves. Such an update
+  can run on any slice of the leaves, e.g. one layer of layer-stacked params at a
+  time, and give the same result as on the whole tree; `make_train_step` does that
+  for the layer-stacked leaves, so the update's fp32 temporaries are one layer's.
+  `adamw`, `lion` and `sgd` return one, except with stochastic rounding (its random
+  bits depend on the shape of the leaf) or a callable decay mask (it may look at
+  the shapes it is given).
+  """
+  __slots__ = ()
+
+
+def _leafwise(tx: optax.GradientTransformation, update_rule: str,
+              mask: Any) -> optax.GradientTransformation:
+  """`tx` marked leafwise, where the rule and the mask allow it."""
+  if update_rule == "stochastic" or callable(mask):
+    return tx
+  return LeafwiseTransformation(tx.init, tx.update)
+
+
 # --- Moments in a chosen dtype --------------------------------------------------------
 
 
@@ -265,10 +292,11 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     mask: which params decay (a pytree of bools or a function of the params).
     seed: stochastic-rounding seed.
   """
-  return with_update_rule(optax.chain(
+  tx = with_update_rule(optax.chain(
       scale_by_adam(b1, b2, eps, state_dtype),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+  return _leafwise(tx, update_rule, mask)
 
 
 def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
@@ -276,10 +304,11 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
          update_rule: str = "nearest", mask: Mask = None,
          seed: int = 0) -> optax.GradientTransformation:
   """Lion: p <- p - lr * (sign(b1 mu + (1 - b1) g) + weight_decay * p)."""
-  return with_update_rule(optax.chain(
+  tx = with_update_rule(optax.chain(
       scale_by_lion(b1, b2, state_dtype),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+  return _leafwise(tx, update_rule, mask)
 
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.0,
@@ -291,7 +320,8 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.0,
   if momentum:
     parts.append(trace(momentum, nesterov, state_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return with_update_rule(optax.chain(*parts), update_rule, seed=seed)
+  tx = with_update_rule(optax.chain(*parts), update_rule, seed=seed)
+  return _leafwise(tx, update_rule, mask)
 
 
 def decay_mask(logical_axes: PyTree) -> PyTree:

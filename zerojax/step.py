@@ -14,9 +14,18 @@ A step has two halves:
    update run on arrays laid out by the plan, so each device updates only its shard of
    the optimizer state, and any optax transform (global-norm clipping included) sees
    the whole logical gradient. The new params are re-laid out to their stage's spec,
-   which is the all-gather of stages 1 and 2.
+   which is the all-gather of stages 1 and 2. An optimizer that updates each element
+   on its own (`optim.LeafwiseTransformation`: zerojax's adamw, lion, sgd) runs one
+   layer at a time on the layer-stacked leaves, in place, so its fp32 temporaries are
+   one layer's.
+
+Memory: beyond the state, a stage-3 step needs one fp32 gradient per local param
+(with `zero.scan_layers` the fp32 params made for differentiation become it), the
+layer inputs saved for the backward pass, the gathered embedding and head, and one
+layer's worth of the rest (`benchmarks/memory_70b.py` shows where it goes).
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import precision, zero
+from zerojax import optim, precision, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -128,7 +137,11 @@ def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
 
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
                  reduce_dtype, accum_dtype):
-  """Builds the per-device half: (params, batch, rng, loss scale) -> (grads, loss, aux)."""
+  """Builds the per-device half: (params, batch, rng, loss scale) -> (grads, loss, aux).
+
+  The grads are the sums over devices and microbatches of the (loss-scaled)
+  gradients; the update half scales them to the mean.
+  """
   dims, stage, axes = plan.param_dims, plan.stage, plan.shard_axes
   is_dim = lambda d: d is None
   sharded = lambda d: d is not None
@@ -142,8 +155,12 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
             g, axes, scatter_dimension=d, tiled=True),
         g, dims, is_leaf=is_dim)
 
-  def finish(acc, scale):
-    """Sums over the mesh axes not yet reduced, in the reduce dtype, then averages."""
+  def finish(acc):
+    """Sums over the mesh axes not yet reduced, in the reduce dtype.
+
+    Not yet averaged: the update half multiplies by the mean's scale where XLA can
+    fuse it into each consumer (here it would be a second whole fp32 gradient).
+    """
     def leaf(g, d):
       done = stage >= 2 and sharded(d)
       over = [a for a in (plan.replica_axes if done else plan.data_axes)
@@ -151,7 +168,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
       g = g.astype(reduce_dtype)
       if over:
         g = jax.lax.psum(g, tuple(over))
-      return g * jnp.asarray(scale, reduce_dtype)
+      return g
     return jax.tree.map(leaf, acc, dims, is_leaf=is_dim)
 
   def acc_zeros(params):
@@ -164,7 +181,6 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
   def local(params, batch, rng, scale):
     rng = jax.random.fold_in(jax.random.wrap_key_data(rng),
                              jax.lax.axis_index(plan.data_axes))
-    p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
     split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
     micro = jax.tree.map(split, batch)
 
@@ -176,6 +192,9 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
 
     def body(acc, xs):
       mb, i = xs
+      # Cast in the loop: a model may write its gradient over these fp32 params
+      # (`zero.scan_layers`), so each microbatch differentiates a fresh copy.
+      p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
       (_, (loss, aux)), g = jax.value_and_grad(objective, has_aux=True)(
           p32, mb, jax.random.fold_in(rng, i))
       acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, scatter(g))
@@ -183,11 +202,104 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
 
     acc, (losses, aux) = jax.lax.scan(
         body, acc_zeros(params), (micro, jnp.arange(microbatches)))
-    grads = finish(acc, 1.0 / (plan.num_data * microbatches * scale))
+    grads = finish(acc)
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
     return grads, mean(losses), jax.tree.map(mean, aux)
 
   return local
+
+
+def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+            params: PyTree, *, finite: jax.Array, scale: jax.Array,
+            factor: jax.Array | None):
+  """One optimizer update: (new params, new optimizer state, sum of squared updates).
+
+  The gradient is `grads * scale` (the mean of the summed gradients), clipped by
+  `factor` (None: no clipping). Keeps the optimizer state in the dtypes it
+  was created with (fp32 gradients would promote bf16 moments otherwise, changing the
+  state's type from step to step), and changes nothing when the gradients are not
+  `finite` (the step is skipped).
+  """
+  grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+  if factor is not None:
+    grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+  updates, new_state = tx.update(grads, opt_state, params)
+  new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  squares = [jnp.sum(jnp.square(u.astype(jnp.float32))) for u in jax.tree.leaves(updates)]
+  return (keep(new_params, params), keep(new_state, opt_state),
+          sum(squares, jnp.zeros((), jnp.float32)))
+
+
+def _mirrored(plan: zero.ZeroPlan) -> PyTree:
+  """Per optimizer-state leaf: True if it mirrors a param leaf (layer-stacked or not)."""
+  return plan.opt_like(jax.tree.map(lambda _: True, plan.per_layer), False)
+
+
+def _can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -> bool:
+  """Whether the update may run one layer at a time (`optim.LeafwiseTransformation`)."""
+  if not isinstance(tx, optim.LeafwiseTransformation) or not any(
+      jax.tree.leaves(plan.per_layer)):
+    return False
+  # State leaves that mirror no param must be scalars (counts): every slice shares them.
+  return all(mirror or not x.shape for x, mirror in zip(
+      jax.tree.leaves(plan.opt_state), jax.tree.leaves(_mirrored(plan)), strict=True))
+
+
+def _update_by_layer(plan: zero.ZeroPlan, update: Callable, grads: PyTree,
+                     opt_state: PyTree, params: PyTree):
+  """`update` on the whole tree, run one layer at a time on layer-stacked leaves.
+
+  A leafwise update (`optim.LeafwiseTransformation`) of a slice equals that slice of
+  the update. Run on whole (layers, ...) stacks, XLA:CPU materialises fp32
+  temporaries of whole stacks (the update, the Kahan sum, the clipped gradient, the
+  kept old values); here they are one layer's, and the stacked params and state are
+  updated in place, slice by slice, in a loop over the layers. The other leaves
+  (embedding, head, norms) and the state's scalars are updated in one call of their
+  own. Each call sees the tree whole, the leaves it does not update emptied (zero
+  size), so the transform's structure and scalar state are untouched.
+
+  Returns:
+    (new params, new optimizer state, sum of squared updates).
+  """
+  layered, opt_layered, mirrored = plan.per_layer, plan.opt_per_layer, _mirrored(plan)
+  empty = lambda x: jnp.zeros((0,), x.dtype)
+  select = lambda f, tree, mask: jax.tree.map(lambda x, m: f(x) if m else x, tree, mask)
+  pick = lambda mask, a, b: jax.tree.map(lambda m, x, y: x if m else y, mask, a, b)
+
+  # Everything but the layer stacks; the state's scalars advance here, once.
+  rest_p, rest_s, total = update(
+      select(empty, grads, layered), select(empty, opt_state, opt_layered),
+      select(empty, params, layered))
+
+  for length in sorted({x.shape[0] for x, m in zip(jax.tree.leaves(params),
+                                                   jax.tree.leaves(layered)) if m}):
+    # One loop per stack length (a model may stack layers of different depths).
+    in_loop = jax.tree.map(lambda m, x: bool(m) and x.shape[0] == length, layered, params)
+    opt_in_loop = jax.tree.map(lambda m, x: bool(m) and x.shape[0] == length,
+                               opt_layered, opt_state)
+    # Slices of this loop's stacks; everything else emptied but the state's scalars,
+    # which every slice reads as they were before the step.
+    slice_p = lambda tree, i: jax.tree.map(
+        lambda x, m: jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if m else empty(x),
+        tree, in_loop)
+    slice_s = lambda tree, i: jax.tree.map(
+        lambda x, m, mirror: (jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if m
+                              else empty(x) if mirror else x),
+        tree, opt_in_loop, mirrored)
+    put = lambda tree, new, mask, i: jax.tree.map(
+        lambda x, n, m: jax.lax.dynamic_update_index_in_dim(x, n, i, 0) if m else x,
+        tree, new, mask)
+
+    def body(i, carry):
+      p, s, total = carry
+      new_p, new_s, squares = update(slice_p(grads, i), slice_s(s, i), slice_p(p, i))
+      return put(p, new_p, in_loop, i), put(s, new_s, opt_in_loop, i), total + squares
+
+    params, opt_state, total = jax.lax.fori_loop(0, length, body,
+                                                 (params, opt_state, total))
+  return pick(layered, params, rest_p), pick(opt_layered, opt_state, rest_s), total
 
 
 def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
@@ -196,6 +308,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                     learning_rate: optax.ScalarOrSchedule | None = None,
                     reduce_dtype: Any = jnp.float32, accum_dtype: Any = jnp.float32,
                     loss_scaling: precision.LossScaling = precision.NO_SCALING,
+                    update_by_layer: bool | None = None,
                     donate: bool = True) -> Callable[[TrainState, PyTree],
                                                      tuple[TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` for the plan's stage.
@@ -217,6 +330,13 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     loss_scaling: how the loss scale evolves (fp16); by default a static 1. Either
       way a step whose gradients are not finite is skipped: params and optimizer
       state stay as they were and the metrics say so.
+    update_by_layer: run the optimizer update one layer at a time on layer-stacked
+      leaves, in place (its fp32 temporaries are then one layer's, not the whole
+      stack's). The default (None) does so when `tx` allows it: a
+      `optim.LeafwiseTransformation` (zerojax's `adamw`, `lion`, `sgd`) with only
+      scalars in its state besides leaves that mirror the params. True insists.
+      The params and optimizer state are bit-for-bit those of the whole-tree
+      update; the reported update_norm is summed layer by layer (last-bit changes).
     donate: donate the input state's buffers to the output.
 
   Returns:
@@ -233,6 +353,13 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
 
   shardings = state_shardings(plan)
   update_shardings = plan.shardings(plan.update_specs)
+  by_layer = _can_update_by_layer(plan, tx)
+  if update_by_layer and not by_layer:
+    raise ValueError(
+        "update_by_layer=True needs layer-stacked params and an optimizer that updates "
+        "each element on its own (optim.LeafwiseTransformation: zerojax's adamw, lion or "
+        "sgd without stochastic rounding or a callable mask) whose other state is scalars")
+  by_layer = by_layer if update_by_layer is None else update_by_layer
 
   def step(state: TrainState, batch: PyTree):
     _check_batch(batch, plan.num_data * microbatches, microbatches)
@@ -244,32 +371,35 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
         in_specs=(plan.param_specs, plan.batch_spec, P(), P()),
         out_specs=(plan.grad_specs, P(), P()), check_vma=False)(
             params, batch, rng, state.loss_scale.scale)
-    finite = precision.all_finite(grads)
-
-    grad_norm = optax.tree.norm(grads)
+    # `grads` are sums; the mean is `grads * mean_scale`, applied by each consumer (the
+    # reductions here, the update slice by slice) rather than once into a second whole
+    # fp32 gradient. The arithmetic is the same as scaling first.
+    mean_scale = jnp.asarray(1.0 / (plan.num_data * microbatches * state.loss_scale.scale),
+                             reduce_dtype)
+    mean = jax.tree.map(lambda g: g * mean_scale.astype(g.dtype), grads)
+    finite = precision.all_finite(mean)
+    grad_norm = optax.tree.norm(mean)
+    factor = None
     if max_grad_norm > 0:
       factor = jnp.minimum(1.0, max_grad_norm / (grad_norm + 1e-6))
-      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
 
     # The update runs where each device holds only its shard of the optimizer state.
     on_shards = lambda tree: jax.lax.with_sharding_constraint(tree, update_shardings)
-    updates, opt_state = tx.update(on_shards(grads), state.opt_state, on_shards(params))
-    # The state keeps the dtypes it was created with (fp32 grads would promote bf16
-    # moments otherwise, changing the state's type from step to step).
-    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state,
-                             state.opt_state)
+    update = functools.partial(_update, tx, finite=finite, scale=mean_scale, factor=factor)
+    if by_layer:
+      new_params, opt_state, update_sq = _update_by_layer(
+          plan, update, on_shards(grads), state.opt_state, on_shards(params))
+    else:
+      new_params, opt_state, update_sq = update(on_shards(grads), state.opt_state,
+                                                on_shards(params))
     # Back to the stage's layout: the all-gather of the updated params at stages 1, 2.
     # Pinning the result to the shards first keeps the gather after the rounding to the
     # param dtype; otherwise GSPMD gathers the fp32 sum and halves nothing.
-    new_params = jax.lax.with_sharding_constraint(
-        on_shards(optax.apply_updates(on_shards(params), updates)), shardings.params)
-    # A step with non-finite gradients changes nothing but the counters.
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_params, opt_state = keep(new_params, params), keep(opt_state, state.opt_state)
+    new_params = jax.lax.with_sharding_constraint(on_shards(new_params), shardings.params)
     loss_scale = precision.update_loss_scale(state.loss_scale, finite, loss_scaling)
 
     metrics = dict(loss=loss, grad_norm=grad_norm,
-                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0).astype(
+                   update_norm=jnp.where(finite, jnp.sqrt(update_sq), 0.0).astype(
                        jnp.float32),
                    tokens=jnp.asarray(_leading_size(batch), jnp.float32),
                    skipped=(~finite).astype(jnp.float32),

@@ -121,6 +121,93 @@ def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> ja
   return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
 
 
+def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any) -> PyTree:
+  """`carry = fn(gather(params[i]), carry, *args)` for each layer i, rematerialized.
+
+  The layer loop of a stage-3 model with full remat (each layer's input is saved, its
+  forward recomputed in the backward pass, its weights gathered again there), as
+  `lax.scan` under `jax.checkpoint(policy=nothing_saveable)` would run it, with one
+  difference in memory: the backward pass writes layer i's gradient into the buffer
+  of the stacked `params` themselves, slice i, once layer i is done with them. The
+  train step differentiates with respect to fp32 params (so that every reduction is
+  fp32); JAX's own scan transpose would keep that fp32 copy of the model alive next to
+  a second, zero-initialised fp32 array for the gradients (4 bytes per param more
+  than needed). Here the two share one buffer: XLA updates it in place.
+
+  Args:
+    fn: `(layer_params, carry, *args) -> carry`, one layer (plain arrays: gathered).
+    params: the stacked layer params (leading axis: layers); leaves may be `Sharded`.
+    carry: the layer input (e.g. the residual stream), any pytree.
+    *args: other inputs every layer sees (e.g. rotary tables), differentiable.
+
+  Returns:
+    The last layer's output carry.
+  """
+  return _scan_layers(fn, params, carry, args)
+
+
+def _layer(tree: PyTree, i: jax.Array) -> PyTree:
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _to_bits(x):
+  """The saved layer inputs are kept as their bits (unsigned ints of the same width):
+  XLA:CPU would otherwise turn "slice, then upcast to fp32" in the backward loop into
+  "upcast the whole stack" and hoist that out of the loop (loop-invariant code motion),
+  an fp32 copy of every layer's input."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(bits, like):
+  return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_layers(fn, params, carry, args):
+  return jax.lax.scan(lambda c, p: (fn(gather(p), c, *args), None), carry, params)[0]
+
+
+def _scan_layers_fwd(fn, params, carry, args):
+  # Saves each layer's input carry, as full remat does; `params` is an input already.
+  out, inputs = jax.lax.scan(
+      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(_to_bits, c)), carry, params)
+  return out, (params, inputs, args)
+
+
+def _scan_layers_bwd(fn, residuals, ct):
+  params, inputs, args = residuals
+  layers = jax.tree.leaves(params)[0].shape[0]
+  layer_fn = lambda p, c, a: fn(gather(p), c, *a)
+  put = lambda tree, new, i: jax.tree.map(
+      lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), i, 0), tree, new)
+
+  def body(k, state):
+    ct, grads, pending, ct_args = state
+    i = layers - 1 - k
+    # The gradient of layer i + 1 (the previous iteration's) is written first and layer
+    # i's params are read from the result: the read depends on the write, so XLA
+    # updates the buffer in place. Written after the read, some gradients would not
+    # depend on it (a down projection's does not use its own weights), and XLA, unable
+    # to order the two, would copy the whole stack every layer. At k = 0 the index is
+    # clamped to the last layer, whose params `pending` holds unchanged.
+    grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
+    x = jax.tree.map(_from_bits, _layer(inputs, i), ct)
+    _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
+    pending, ct, d_args = vjp(ct)
+    ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, d_args)
+    return ct, grads, pending, ct_args
+
+  zeros = jax.tree.map(jnp.zeros_like, args)
+  ct, grads, pending, ct_args = jax.lax.fori_loop(
+      0, layers, body, (ct, params, _layer(params, layers - 1), zeros))
+  return put(grads, pending, 0), ct, ct_args
+
+
+_scan_layers.defvjp(_scan_layers_fwd, _scan_layers_bwd)
+
+
 def flax_logical_axes(boxed_params: PyTree) -> PyTree:
   """Axis names of flax params boxed by `nn.with_logical_partitioning` (or `nn.Partitioned`).
 
@@ -231,6 +318,21 @@ class ZeroPlan:
   def opt_specs(self) -> PyTree:
     """PartitionSpecs of the optimizer state: sharded from stage 1."""
     return self._specs(self.opt_dims, self.opt_state, self.stage >= 1)
+
+  def opt_like(self, tree: PyTree, other: Any) -> PyTree:
+    """A tree shaped like the optimizer state, from one shaped like the params.
+
+    Each subtree of the state that mirrors the params (Adam's mu, a Kahan buffer) gets
+    `tree`; every other state leaf (a step count) gets `other`.
+    """
+    mirrors = lambda t: _mirrors(t, self.params)
+    return jax.tree.map(lambda t: tree if mirrors(t) else other, self.opt_state,
+                        is_leaf=mirrors)
+
+  @property
+  def opt_per_layer(self) -> PyTree:
+    """Per optimizer-state leaf: True if it mirrors a layer-stacked param leaf."""
+    return self.opt_like(self.per_layer, False)
 
   @property
   def batch_spec(self) -> P:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import FrozenDict
 
-from zerojax.zero import flax_logical_axes, gather
+from zerojax.zero import flax_logical_axes, gather, scan_layers
 
 Params = Any
 
@@ -358,8 +358,17 @@ class Llama(nn.Module):
 
   def hidden(self, tokens: jax.Array) -> jax.Array:
     """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`)."""
+    c = self.config
     x = self.embed_tokens(tokens)
-    x, _ = self.layers(x, rope_tables(self.config, tokens.shape[1]))
+    cos, sin = rope_tables(c, tokens.shape[1])
+    if c.remat == "full" and not self.is_initializing():
+      # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
+      # whose backward pass writes each layer's gradient over the (fp32) params it was
+      # given instead of into a second whole-model array: 4 bytes per param less.
+      block = lambda p, x, cos, sin: Block(c, parent=None).apply(
+          {"params": p}, x, (cos, sin))[0]
+      return scan_layers(block, self.variables["params"]["layers"], x, cos, sin)
+    x, _ = self.layers(x, (cos, sin))
     return x
 
   def head(self, x: jax.Array) -> jax.Array:

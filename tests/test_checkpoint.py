@@ -1,0 +1,242 @@
+"""Checkpoints: exact resume, restore onto other meshes and stages, damage, retention."""
+
+import functools
+import glob
+import os
+import shutil
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zerojax
+from zerojax import checkpoint, optim
+from zerojax.models.mlp_lm import MlpLM
+from zerojax.step import state_shardings
+
+KEY = jax.random.key(0)
+
+
+def make_plan(stage, dtype=jnp.bfloat16, devices=None):
+  """(model, tx, plan) of the small test LM on `devices` (all by default)."""
+  model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=2, context=4,
+                param_dtype=dtype, compute_dtype=dtype)
+  if dtype == jnp.bfloat16:
+    tx = optim.adamw(1e-3, update_rule="kahan", state_dtype=jnp.bfloat16)
+  else:
+    tx = optim.adamw(1e-3)
+  plan = zerojax.make_plan(zerojax.make_mesh(1, -1, devices=devices), stage,
+                           jax.eval_shape(model.init, KEY), tx,
+                           logical_axes=model.logical_axes(), min_shard_size=0)
+  return model, tx, plan
+
+
+@functools.cache
+def compiled(stage, dtype=jnp.bfloat16):
+  """(plan, train_step, initial state on the host), built once: compiling dominates."""
+  model, tx, plan = make_plan(stage, dtype)
+  return plan, zerojax.make_train_step(plan, model.loss, tx), jax.device_get(
+      zerojax.init_state(plan, model.init, tx, KEY))
+
+
+def initial_state(stage, dtype=jnp.bfloat16):
+  """A fresh sharded initial state (its own buffers: train steps donate them)."""
+  plan, _, host = compiled(stage, dtype)
+  return jax.device_put(host, state_shardings(plan))
+
+
+def batch(step):
+  return {"tokens": jax.random.randint(jax.random.key(100 + step), (8, 9), 0, 64)}
+
+
+def host_bytes(state):
+  """Every leaf as raw bytes: equal means bit-identical."""
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def new_state(stage=3, dtype=jnp.bfloat16, steps=2):
+  plan, train_step, _ = compiled(stage, dtype)
+  state = initial_state(stage, dtype)
+  for i in range(steps):  # Moments and Kahan buffers away from their zero init.
+    state, _ = train_step(state, batch(i))
+  return plan, state
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, jnp.bfloat16),
+                                         (3, jnp.float32), (3, jnp.bfloat16)])
+def test_exact_resume(tmp_path, stage, dtype):
+  _, train_step, _ = compiled(stage, dtype)
+  state = initial_state(stage, dtype)
+  ckpt = checkpoint.Checkpointer(tmp_path, save_every_steps=3)
+  straight = []
+  for step in range(1, 7):
+    state, m = train_step(state, batch(step - 1))
+    straight.append(float(m["loss"]))
+    if step == 3:
+      at_3 = host_bytes(state)  # Before the async save; the next step donates `state`.
+    assert ckpt.maybe_save(step, state, {"run": "a"}) == (step in (3, 6))
+  ckpt.close()
+
+  # A new process, in effect: a fresh plan and checkpointer. (The step function is
+  # reused: compiling it again would give the same program, and take most of the time.)
+  plan = make_plan(stage, dtype)[2]
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=3) as ckpt:
+    state, meta = ckpt.restore(3, plan)
+  assert host_bytes(state) == at_3
+  assert int(state.step) == 3 and meta["data_position"] == 3 and meta["run"] == "a"
+  resumed = straight[:3]
+  for step in range(4, 7):
+    state, m = train_step(state, batch(step - 1))
+    resumed.append(float(m["loss"]))
+  assert resumed == straight
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=3) as ckpt:
+    final, _ = ckpt.restore(6, plan)
+  assert host_bytes(state) == host_bytes(final)
+
+
+def test_restore_onto_other_meshes_and_stages(tmp_path):
+  _, state = new_state(stage=3)  # 8 devices, mesh (1, 8).
+  saved = host_bytes(state)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    ckpt.save(2, state)
+  for stage, n in [(1, 4), (0, 1)]:
+    plan = make_plan(stage, devices=jax.devices()[:n])[2]
+    with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+      restored, _ = ckpt.restore_latest(zerojax.abstract_state(plan))
+    assert host_bytes(restored) == saved
+    for x, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state_shardings(plan))):
+      assert x.sharding.is_equivalent_to(s, x.ndim) and len(x.sharding.device_set) == n
+    sharded = [not x.sharding.is_fully_replicated for x in jax.tree.leaves(restored)]
+    assert any(sharded) == (stage > 0)  # Stage 1: the optimizer state over 4 devices.
+
+
+def largest_data_file(step_dir):
+  files = glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage", ["swapped", "truncated", "no_meta"])
+def test_damaged_checkpoint_is_skipped(tmp_path, damage):
+  plan, state = new_state(steps=1)
+  messages = []
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    ckpt.save(1, state)
+    older = host_bytes(state)
+    state, _ = compiled(3)[1](state, batch(5))
+    ckpt.save(2, state)
+  step_2 = os.path.join(tmp_path, "2")
+  if damage == "swapped":  # Intact files of another state: only the checksums see it.
+    shutil.rmtree(os.path.join(step_2, "state"))
+    shutil.copytree(os.path.join(tmp_path, "1", "state"), os.path.join(step_2, "state"))
+  elif damage == "truncated":  # Every data file: which ones the arrays still use varies.
+    for path in glob.glob(os.path.join(step_2, "state", "**", "d", "*"), recursive=True):
+      with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+  else:
+    os.remove(os.path.join(step_2, "meta", "metadata"))
+  # A save killed before its commit (what SIGKILL mid-save leaves): never a checkpoint.
+  shutil.copytree(os.path.join(tmp_path, "1"), os.path.join(tmp_path, "3.orbax-checkpoint-tmp"))
+
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    assert ckpt.all_steps() == [1, 2]
+    reason = {"swapped": "fail their checksums", "truncated": "cannot read the state",
+              "no_meta": "cannot read its meta"}[damage]
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=reason):
+      ckpt.restore(2, plan)
+    restored, meta = ckpt.restore_latest(plan)
+    assert meta["step"] == 1 and host_bytes(restored) == older
+    assert ckpt.all_steps() == [1]
+  assert "checkpoint step 2 skipped, damaged" in messages[0]
+  assert sorted(os.listdir(tmp_path)) == ["1", "2.damaged"]  # The tmp dir cleaned up.
+
+  shutil.rmtree(os.path.join(tmp_path, "1"))  # Nothing intact left: an error, not a fresh start.
+  os.rename(os.path.join(tmp_path, "2.damaged"), os.path.join(tmp_path, "2"))
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint"):
+      ckpt.restore_latest(plan)
+
+
+def test_flipped_bytes_are_caught_or_harmless(tmp_path):
+  """orbax reads many flipped bytes in a data file as other values, without an error."""
+  plan, state = new_state()
+  saved = host_bytes(state)
+  with checkpoint.Checkpointer(tmp_path / "good", save_every_steps=1) as ckpt:
+    ckpt.save(2, state)
+  outcomes = []
+  for i in range(1, 12):
+    shutil.copytree(tmp_path / "good", tmp_path / "bad", dirs_exist_ok=True)
+    path = largest_data_file(os.path.join(tmp_path, "bad", "2"))
+    data = bytearray(open(path, "rb").read())
+    data[len(data) * i // 12] ^= 0xFF
+    open(path, "wb").write(data)
+    with checkpoint.Checkpointer(tmp_path / "bad", save_every_steps=1) as ckpt:
+      try:
+        restored, _ = ckpt.restore(2, plan)
+        assert host_bytes(restored) == saved  # Else: silently loaded wrong values.
+        outcomes.append("harmless")
+      except checkpoint.DamagedCheckpointError as e:
+        outcomes.append("checksum" if "checksums" in str(e) else "unreadable")
+  assert "checksum" in outcomes, outcomes  # What orbax alone would have loaded.
+
+
+def test_keep_last_and_every(tmp_path):
+  _, state = new_state(steps=0)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, keep=2, keep_every=4) as ckpt:
+    for step in range(1, 10):
+      assert ckpt.maybe_save(step, state)
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 8, 9]
+  assert sorted(os.listdir(tmp_path), key=int) == ["4", "8", "9"]
+
+
+def test_save_every_minutes(tmp_path):
+  _, state = new_state(steps=0)
+  # Every 2 s: the test must not stall that long between calls, even on a busy machine.
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=0, save_every_minutes=2 / 60,
+                               async_save=False) as ckpt:
+    assert not ckpt.maybe_save(1, state)
+    time.sleep(2.1)
+    assert ckpt.maybe_save(2, state)
+    assert not ckpt.maybe_save(3, state)
+    assert not ckpt.save(2, state)  # Already saved (a stop signal right after it).
+    assert ckpt.save(3, state)
+
+
+def test_incompatible_config_is_an_error(tmp_path):
+  config = {"model": {"name": "mlp_lm", "d_model": 64, "vocab_size": 64, "remat": "full"},
+            "precision": {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}}
+  other = {"model": {"name": "mlp_lm", "d_model": 128, "vocab_size": 64, "remat": "none"},
+           "precision": {"param_dtype": "float32", "compute_dtype": "float32"}}
+  same_model = {"model": {**config["model"], "remat": "dots"},
+                "precision": {"param_dtype": "bfloat16", "compute_dtype": "float32"}}
+  plan, state = new_state(steps=0)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    ckpt.save(1, state, {"config": config})
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    with pytest.raises(checkpoint.CheckpointError, match="d_model"):
+      ckpt.check_config(other)  # Cheap: before compiling anything.
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      ckpt.restore_latest(plan, config=other)
+    assert not isinstance(e.value, checkpoint.DamagedCheckpointError)
+    assert "model.d_model: checkpoint 64, config 128" in str(e.value)
+    assert "precision.param_dtype: checkpoint 'bfloat16', config 'float32'" in str(e.value)
+    assert "remat" not in str(e.value) and "compute_dtype" not in str(e.value)
+    ckpt.restore_latest(plan, config=same_model)  # Compute-only keys may change.
+    fp32_plan = make_plan(3, jnp.float32)[2]  # The same model in fp32: other leaves.
+    with pytest.raises(checkpoint.CheckpointError, match="holds another state"):
+      ckpt.restore_latest(fp32_plan)
+  assert os.listdir(tmp_path) == ["1"]  # Nothing moved aside.
+
+
+def test_stop_signal():
+  stop = checkpoint.StopSignal()
+  try:
+    assert not stop(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop(2) and stop.received == signal.SIGTERM
+  finally:
+    stop.close()
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
