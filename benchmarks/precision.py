@@ -4,7 +4,7 @@
     python benchmarks/precision.py --seeds 3       # quality over 3 seeds, ~5-7 minutes
     python benchmarks/precision.py --only stall    # part 1 only, ~15 seconds
     python benchmarks/precision.py --only quality --lr 1e-3   # a lower peak rate
-    python benchmarks/precision.py --only quality --llama     # tiny.py's Llama, slower
+    python benchmarks/precision.py --only quality --llama     # tiny.py's Llama, ~8 min
 
 1. **Stall**: 4096 bf16 weights (|w| log-uniform in [0.02, 1], random signs), lr 1e-5,
    the same stream of small gradients for every run, 3000 jitted steps of AdamW and of
@@ -16,8 +16,9 @@
    the MLP language model of the first configs/tiny.py (pinned below as overrides of
    configs/base.py); `--llama` trains today's configs/tiny.py Llama, for 300 steps.
 
-Prints markdown tables, writes benchmarks/results/precision.json and the plots
-precision_stall.png and precision_quality.png there (needs matplotlib).
+Prints markdown tables; writes benchmarks/results/precision.json (one entry per part
+and quality variant, others kept) and the plots precision_stall.png and
+precision_quality[_llama][_lr...].png there. Needs matplotlib.
 """
 
 import argparse
@@ -178,12 +179,12 @@ def train(path, overrides, batches, eval_set):
   c = load_config(path, overrides, num_devices=1)
   mesh = zerojax.make_mesh(1, 1, devices=jax.devices()[:1])
   model = models.from_config(c)
-  # Weights drawn in fp32, then cast: every recipe starts from the same values (the
-  # Llama's flax initializers would otherwise sample other values in bf16).
+  # Every recipe, fp32 too, starts from the same bf16-representable weights: drawn in
+  # fp32 (the Llama's flax initializers sample other values in bf16), rounded to bf16.
   f32 = c.copy_and_resolve_references()
   f32.precision.param_dtype = "float32"
-  cast = lambda tree: jax.tree.map(lambda x: x.astype(c.precision.param_dtype), tree)
-  init = lambda k: cast(models.from_config(f32).init(k))
+  init = lambda k: jax.tree.map(lambda x: x.astype(BF16).astype(c.precision.param_dtype),
+                                models.from_config(f32).init(k))
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, c.train.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
   key = jax.random.key(c.seed)
@@ -251,9 +252,9 @@ def report_quality(res, note="", tag=""):
     axes[1].plot(t, rel(smooth, name), lw=1, label=name)
   for ax, what in zip(axes, ("held-out loss", "train loss (mean of 20 steps)")):
     ax.axhline(0, color="grey", lw=0.8)
-    ax.set(xlabel="step", ylabel="% above fp32", title=f"{what} vs fp32{note}"
-           + (f", mean of {n} seeds" if n > 1 else ""))
+    ax.set(xlabel="step", ylabel="% above fp32", title=f"{what} vs fp32")
   axes[0].legend(fontsize=8)
+  fig.suptitle(f"Tiny model{note}" + (f", mean over {n} seeds" if n > 1 else ""))
   fig.tight_layout()
   fig.savefig(os.path.join(RESULTS, f"precision_quality{tag}.png"), dpi=110)
   return dict(seeds=n, runs=res)
@@ -276,7 +277,7 @@ def main():
   args = ap.parse_args()
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, "precision.json")
-  results = json.load(open(path)) if args.only and os.path.exists(path) else {}
+  results = json.load(open(path)) if os.path.exists(path) else {}  # Keeps other entries.
   results["jax"] = jax.__version__
   if args.only != "quality":
     results["stall"] = dict(stream=args.stream, **report_stall(stall(args.stream), args.stream))
