@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 import jax
 
@@ -26,15 +25,6 @@ def peak_flops(device: jax.Device, override: float = 0.0) -> float:
     return override
   kind = getattr(device, "device_kind", "")
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
-
-
-def bytes_per_device(tree) -> int:
-  """The most bytes any local device holds of `tree`'s arrays (their addressable shards)."""
-  per_device: dict[Any, int] = {}
-  for leaf in jax.tree.leaves(tree):
-    for shard in leaf.addressable_shards:
-      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-  return max(per_device.values(), default=0)
 
 
 def fmt_bytes(n: float) -> str:
@@ -134,6 +124,3 @@ def progress_line(step: int, total: int, metrics: dict[str, float],
   parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
   return "  ".join(parts)
 
-
-def is_tty() -> bool:
-  return sys.stdout.isatty()
