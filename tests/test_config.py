@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from zerojax import config as zc
+from zerojax import config_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.py")
@@ -279,7 +280,7 @@ def test_good_precision_combinations_load(overrides):
   config = zc.load_config(TINY, overrides, num_devices=8)
   for override in overrides:
     key, value = override.split("=")
-    parent, name = zc._parent(config, key)
+    parent, name = config_schema.parent_of(config, key)
     assert str(parent[name]) == value or float(parent[name]) == float(value), (key, parent[name])
 
 
