@@ -114,7 +114,7 @@ def main():
                                     original_max_position_embeddings=8192),
       attention_block=512, loss_chunk=1024, remat="full")
   model = llama.LlamaLM(config)
-  tx = optim.adamw(1e-4, weight_decay=0.1, state_dtype=jnp.bfloat16, update_rule="kahan")
+  tx = optim.adamw(1e-4, b2=0.95, weight_decay=0.1, state_dtype=jnp.bfloat16, update_rule="kahan")
   shapes = jax.eval_shape(model.init, jax.random.key(0))
   plan = zerojax.make_plan(zerojax.make_mesh(1, args.devices), 3, shapes, tx,
                            logical_axes=model.logical_axes())

@@ -25,7 +25,7 @@ def make_plan(stage, dtype=jnp.bfloat16, devices=None):
   model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=2, context=4,
                 param_dtype=dtype, compute_dtype=dtype)
   if dtype == jnp.bfloat16:
-    tx = optim.adamw(1e-3, update_rule="kahan", state_dtype=jnp.bfloat16)
+    tx = optim.adamw(1e-3, b2=0.95, update_rule="kahan", state_dtype=jnp.bfloat16)
   else:
     tx = optim.adamw(1e-3)
   plan = zerojax.make_plan(zerojax.make_mesh(1, -1, devices=devices), stage,

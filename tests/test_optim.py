@@ -1,5 +1,6 @@
 """bf16 update rules and optimizers: stalls, compensation, unbiased rounding, memory."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -64,7 +65,9 @@ def stall_errors(factory, lr, steps=300):
   return out
 
 
-@pytest.mark.parametrize("factory", [optim.adamw, optim.lion], ids=["adamw", "lion"])
+# b2 = 0.95: a bf16 nu cannot decay with optax's default 0.999 (adamw refuses it).
+@pytest.mark.parametrize("factory", [functools.partial(optim.adamw, b2=0.95), optim.lion],
+                         ids=["adamw", "lion"])
 def test_stall_regime(factory):
   """lr 1e-5 for 300 steps: every update is under half an ulp of every weight.
 
@@ -127,7 +130,7 @@ def test_stochastic_rounding_is_unbiased():
 def test_moments_are_stored_in_state_dtype_even_for_nu():
   params = {"w": jnp.ones((4, 4), BF16)}
   for state_dtype in (BF16, F32):
-    state = optim.adamw(1e-3, state_dtype=state_dtype).init(params)
+    state = optim.adamw(1e-3, b2=0.95, state_dtype=state_dtype).init(params)
     adam = state[0]
     assert adam.mu["w"].dtype == state_dtype and adam.nu["w"].dtype == state_dtype
   assert optim.lion(1e-3, state_dtype=BF16).init(params)[0].mu["w"].dtype == BF16
@@ -190,7 +193,7 @@ def test_optimizer_bytes_per_device_follow_formula(recipe, stage):
     tx, k = optim.lion(1e-4, update_rule="kahan", state_dtype=BF16), 4
   else:
     kwargs, k = RECIPES[recipe]
-    tx = optim.adamw(1e-4, **kwargs)
+    tx = optim.adamw(1e-4, b2=0.95, **kwargs)
   model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=2, context=4,
                 param_dtype=BF16, compute_dtype=BF16)
   mesh = zerojax.make_mesh(1, 8)
@@ -206,3 +209,12 @@ def test_optimizer_bytes_per_device_follow_formula(recipe, stage):
   # and the stochastic key: under 1 KiB.
   measured = args.argument_size_in_bytes - 8 * 17 * 4 / 8
   assert abs(measured - formula) <= 0.01 * formula + 1024, (measured, formula)
+
+
+def test_bf16_second_moment_that_cannot_decay_is_refused():
+  """b2 = 0.999: nu * b2 rounds back to a bf16 nu, which then never decays."""
+  with pytest.raises(ValueError, match="never decays"):
+    optim.adamw(1e-3, b2=0.999, state_dtype=BF16)
+  nu = jnp.asarray(1.0, BF16)
+  assert (0.999 * nu).astype(BF16) == nu and (0.996 * nu).astype(BF16) < nu
+  optim.adamw(1e-3, b2=0.996, state_dtype=BF16)  # The largest that still decays.

@@ -215,7 +215,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   mu = b1 mu + (1 - b1) g,  nu = b2 nu + (1 - b2) g^2,
   u = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t)) + eps), all in fp32; mu and nu are
   then stored in `state_dtype`.
+
+  Raises:
+    ValueError: 1 - b2 is under half of `state_dtype`'s epsilon (bf16 with b2 > 0.996):
+      `b2 * nu` would round back to `nu`, so nu could never decay.
   """
+  if 1 - b2 < jnp.finfo(state_dtype).eps / 2:
+    raise ValueError(f"b2={b2} with {jnp.dtype(state_dtype).name} moments: nu * b2 rounds back to "
+                     f"nu, so nu never decays; use b2 <= {1 - float(jnp.finfo(state_dtype).eps) / 2:.8g} "
+                     "or float32 state")
+
   def init(params):
     zeros = lambda p: jnp.zeros(p.shape, state_dtype)
     return ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params),
