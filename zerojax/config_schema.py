@@ -81,6 +81,10 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "precision.loss_scale.window": (lambda v: v >= 1, ">= 1"),
     "precision.loss_scale.hysteresis": (lambda v: v >= 1, ">= 1"),
     "precision.loss_scale.min_scale": _POS, "precision.max_consecutive_skips": _NONNEG,
+    "distributed.num_processes": (lambda v: v >= 0, ">= 0 (0 = $ZEROJAX_NUM_PROCESSES or detected)"),
+    "distributed.process_id": (lambda v: v >= -1, "an id >= 0, or -1 for $ZEROJAX_PROCESS_ID or detected"),
+    "distributed.initialization_timeout": _POS, "distributed.heartbeat_timeout": _POS,
+    "distributed.shutdown_timeout": _POS,
 }
 Source = str | Mapping[str, str]
 

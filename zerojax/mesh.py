@@ -75,3 +75,15 @@ def make_mesh(data: int = 1, fsdp: int = -1, *,
 def mesh_from_config(config) -> Mesh:
   """The mesh of a validated config (`config.mesh.data`, `config.mesh.fsdp`)."""
   return make_mesh(config.mesh.data, config.mesh.fsdp)
+
+
+def processes_per_group(mesh: Mesh, axis: str = "fsdp") -> int:
+  """How many processes (hosts) one group of devices along `axis` spans; 1 = inside one.
+
+  With the default `data=1, fsdp=-1` on several processes the ZeRO state is sharded over
+  every device of every host (`fsdp` spans all processes); hybrid sharding keeps each
+  `fsdp` group inside a host (`data` = the number of hosts, `fsdp=-1`).
+  """
+  grid = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1)
+  groups = grid.reshape(-1, grid.shape[-1])
+  return max(len({d.process_index for d in group}) for group in groups)

@@ -1,0 +1,282 @@
+"""Multi-host runs: `jax.distributed.initialize` from the config, the environment or the cluster.
+
+`initialize(config.distributed)` runs before anything touches a device. Each of the
+coordinator address, the process count and this process's id comes from the first of:
+
+1. the config: `distributed.coordinator_address`, `.num_processes`, `.process_id`;
+2. the environment: `JAX_COORDINATOR_ADDRESS` (JAX's own name), `ZEROJAX_NUM_PROCESSES`,
+   `ZEROJAX_PROCESS_ID` (what `python -m zerojax.launch` sets);
+3. the cluster, as JAX detects it: SLURM (inside `srun`), Open MPI (`mpirun`),
+   Kubernetes (a JobSet / indexed Job; needs the `kubernetes` package).
+
+With none of them, or one process, nothing is initialized: a single-process run.
+
+Failures, bounded in time and explained on every process:
+
+- a coordinator or peer that does not show up within `distributed.initialization_timeout`
+  seconds: one message naming the address, the process count, this process and whether
+  anything listens at the address; exit status `EXIT_INIT_FAILED` (4);
+- a process that dies later: JAX's coordination service notices its missing heartbeats
+  after `distributed.heartbeat_timeout` seconds (at once if it was process 0, which runs
+  the coordinator) and aborts every other process with "Terminating process because the
+  JAX distributed service detected fatal errors ... tasks are unhealthy (stopped sending
+  heartbeats): <ids>" (SIGABRT, exit status 134), even one blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from zerojax.config import ConfigError
+
+EXIT_INIT_FAILED = 4  # The coordinator or a peer did not show up in time.
+ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # JAX reads this one itself, too.
+ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZEROJAX_PROCESS_ID"
+# JAX's own connect timeout is longer than ours, so our message (and exit status) comes
+# first; JAX's abort is the backstop.
+_JAX_TIMEOUT_MARGIN_S = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """A resolved multi-process setup; `sources` says where each value came from."""
+  coordinator_address: str
+  num_processes: int
+  process_id: int
+  local_device_ids: list[int] | None  # None: JAX's choice.
+  sources: Mapping[str, str]
+
+  def describe(self) -> str:
+    src = ", ".join(f"{k} from {v}" for k, v in self.sources.items())
+    return (f"process {self.process_id} of {self.num_processes}, coordinator "
+            f"{self.coordinator_address} ({src})")
+
+
+def validate(section: Any) -> list[str]:
+  """Problems with a `distributed` config section (values only; [] if none).
+
+  The config loader checks types and ranges; this checks the combinations.
+  """
+  s, problems = section, []
+  if s.num_processes > 0 and s.process_id >= s.num_processes:
+    problems.append(f"distributed.process_id={s.process_id} is not below "
+                    f"distributed.num_processes={s.num_processes}")
+  if s.coordinator_address and not _split_address(s.coordinator_address):
+    problems.append(f"distributed.coordinator_address must be host:port, got "
+                    f"{s.coordinator_address!r}")
+  try:
+    _device_ids(s.local_device_ids)
+  except ValueError:
+    problems.append("distributed.local_device_ids must be '', 'all' or ids like '0,1,2,3', "
+                    f"got {s.local_device_ids!r}")
+  return problems
+
+
+def _split_address(address: str) -> tuple[str, int] | None:
+  host, sep, port = address.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    return None
+  return host.strip("[]"), int(port)
+
+
+def _device_ids(text: str) -> list[int] | None:
+  if not text:
+    return None  # JAX's choice: the local rank under SLURM / Open MPI, else all.
+  if text == "all":
+    return []  # JAX sets no visible-device restriction for an empty list.
+  return [int(x) for x in text.split(",")]
+
+
+def _int_env(environ: Mapping[str, str], name: str) -> int | None:
+  value = environ.get(name, "")
+  if not value:
+    return None
+  try:
+    return int(value)
+  except ValueError:
+    raise ConfigError(f"is {value!r}, not an integer.", key=name,
+                      source="the environment", fix=f"set {name} to a number, or unset it")
+
+
+def _detect_cluster():
+  """The first cluster environment JAX would auto-detect (SLURM, Open MPI, k8s, TPU)."""
+  try:
+    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  except ImportError:  # A JAX without the module: leave detection to JAX.
+    return None
+  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if getattr(env, "opt_in_only_method", False):
+      continue
+    try:
+      if env.is_env_present():
+        return env
+    except Exception:  # pylint: disable=broad-except  (a probe that fails = absent)
+      continue
+  return None
+
+
+def resolve(section: Any, environ: Mapping[str, str] | None = None) -> Setup | None:
+  """The setup this process would join, or None for a single-process run.
+
+  Raises:
+    ConfigError: a bad `distributed` value, or a multi-process setup with a piece
+      missing (e.g. a process count but no coordinator address).
+  """
+  problems = validate(section)
+  if problems:
+    raise ConfigError("; ".join(problems) + ".", key="distributed", source="the config")
+  environ = os.environ if environ is None else environ
+  sources = {}
+
+  def pick(key, config_value, unset, env_name, env_value):
+    if config_value != unset:
+      sources[key] = f"distributed.{key}"
+      return config_value
+    if env_value is not None:
+      sources[key] = f"${env_name}"
+      return env_value
+    return None
+
+  address = pick("coordinator_address", section.coordinator_address, "", ENV_ADDRESS,
+                 environ.get(ENV_ADDRESS) or None)
+  count = pick("num_processes", section.num_processes, 0, ENV_NUM_PROCESSES,
+               _int_env(environ, ENV_NUM_PROCESSES))
+  pid = pick("process_id", section.process_id, -1, ENV_PROCESS_ID,
+             _int_env(environ, ENV_PROCESS_ID))
+  if (count != 1 and None in (address, count, pid)
+      and (env := _detect_cluster()) is not None):
+    name = getattr(env, "name", "") or env.__name__
+    try:
+      if count is None:
+        count, sources["num_processes"] = env.get_process_count(), name
+      if pid is None:
+        pid, sources["process_id"] = env.get_process_id(), name
+      if address is None and count > 1:
+        address = env.get_coordinator_address(
+            timeout_secs=section.initialization_timeout,
+            override_coordinator_port=environ.get("JAX_COORDINATOR_PORT"))
+        sources["coordinator_address"] = name
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConfigError(f"the {name} cluster environment was detected, but reading it failed: "
+                        f"{e}", key="distributed", source=name,
+                        fix="set distributed.coordinator_address, .num_processes and "
+                            ".process_id explicitly") from e
+  if count is None or count == 1:
+    if count is None and (address is not None or (pid or 0) > 0):
+      given = ", ".join(f"{k} from {v}" for k, v in sources.items())
+      raise ConfigError(f"a multi-process setup is half given ({given}) but the number of "
+                        "processes is not.", key="distributed.num_processes",
+                        source="the config and the environment",
+                        fix=f"set distributed.num_processes or ${ENV_NUM_PROCESSES}, or "
+                            "unset the other values for a single-process run")
+    return None
+  missing = [k for k, v in (("coordinator_address", address), ("process_id", pid)) if v is None]
+  if missing:
+    env_names = {"coordinator_address": ENV_ADDRESS, "process_id": ENV_PROCESS_ID}
+    raise ConfigError(f"{count} processes are expected ({sources['num_processes']}), but "
+                      f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set.",
+                      key="distributed", source="the config and the environment",
+                      fix="set " + " and ".join(f"distributed.{k} (or ${env_names[k]})"
+                                                for k in missing))
+  if not 0 <= pid < count:
+    raise ConfigError(f"process id {pid} ({sources['process_id']}) is not in [0, {count}) "
+                      f"({sources['num_processes']}).", key="distributed.process_id",
+                      source=sources["process_id"], fix=f"give each process an id 0..{count - 1}")
+  if not _split_address(address):
+    raise ConfigError(f"coordinator address {address!r} ({sources['coordinator_address']}) "
+                      "is not host:port.", key="distributed.coordinator_address",
+                      source=sources["coordinator_address"], fix="e.g. 10.0.0.1:1234")
+  return Setup(address, count, pid, _device_ids(section.local_device_ids), sources)
+
+
+def _probe(address: str) -> str:
+  """What is at the coordinator address, for the timeout message."""
+  host, port = _split_address(address)
+  try:
+    with socket.create_connection((host, port), timeout=2):
+      return ""  # Something listens: the coordinator (process 0) is up.
+  except socket.gaierror as e:
+    return f"the host name {host!r} does not resolve ({e})"
+  except OSError as e:
+    return f"nothing accepts connections at {address} ({e.strerror or e})"
+
+
+def timeout_message(setup: Setup, timeout: float) -> str:
+  """The message every process prints when the processes did not all join in time."""
+  n, pid, addr = setup.num_processes, setup.process_id, setup.coordinator_address
+  head = (f"error: distributed: process {pid} of {n} waited {timeout:g} s at the coordinator "
+          f"{addr}, and not all {n} processes joined.")
+  if pid == 0:
+    detail = (f"This process runs the coordinator; at least one of processes 1..{n - 1} "
+              "never connected (JAX does not say which before all have joined).")
+  else:
+    probe = _probe(addr)
+    if not probe:
+      detail = (f"The coordinator at {addr} is up (process 0 runs it), so another process "
+                f"(0..{n - 1} but {pid}) is missing, or two processes share an id.")
+    else:
+      detail = (f"The coordinator is not there: {probe}. Process 0, which runs it, has not "
+                "started or has died, or the address is wrong (it must be process 0's host).")
+  fix = (f"Start all {n} processes with the same coordinator address and process count "
+         f"and the ids 0..{n - 1}, each once (sources: "
+         f"{', '.join(f'{k} from {v}' for k, v in setup.sources.items())}); if they start "
+         "slowly, raise distributed.initialization_timeout.")
+  return f"{head}\n  {detail}\n  fix: {fix}"
+
+
+def initialize(section: Any, *, exit_code: int = EXIT_INIT_FAILED) -> Setup | None:
+  """Joins the multi-process run that the config, environment or cluster describes.
+
+  Call it before anything touches a device (`jax.devices()` included). On CPU the
+  cross-process collectives are gloo's (JAX's default on CPU; set if unset).
+
+  Args:
+    section: the config's `distributed` section.
+    exit_code: the exit status when the processes do not all join within
+      `section.initialization_timeout` seconds; the message goes to stderr first.
+
+  Returns:
+    The `Setup` joined, or None for a single-process run (nothing initialized).
+
+  Raises:
+    ConfigError: a bad or incomplete setup (see `resolve`), or JAX already started.
+  """
+  setup = resolve(section)
+  if setup is None or jax.distributed.is_initialized():  # E.g. a notebook did it already.
+    return setup
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  if xla_bridge.backends_are_initialized():
+    raise ConfigError("JAX was used before distributed.initialize, so this process cannot join "
+                      f"the {setup.num_processes}-process run.", key="distributed",
+                      source="the program", fix="call zerojax.distributed.initialize first")
+  if jax.config.jax_cpu_collectives_implementation is None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  timeout = section.initialization_timeout
+
+  def give_up():  # The main thread is stuck inside JAX's connect: leave from here.
+    print(timeout_message(setup, timeout), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(exit_code)  # pylint: disable=protected-access
+
+  watchdog = threading.Timer(timeout, give_up)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(
+        setup.coordinator_address, setup.num_processes, setup.process_id,
+        local_device_ids=setup.local_device_ids,
+        initialization_timeout=int(timeout) + _JAX_TIMEOUT_MARGIN_S,
+        heartbeat_timeout_seconds=section.heartbeat_timeout,
+        shutdown_timeout_seconds=section.shutdown_timeout)
+  finally:
+    watchdog.cancel()
+  return setup
