@@ -2,6 +2,12 @@
 
     python train.py --config configs/8b_bf16.py --config.data.name=tokens --config.data.path=...
     python train.py --config configs/8b_bf16.py --dry_run --fake_devices 8   # compile only
+    python train.py --config configs/8b_bf16.py --config.init_from=Meta-Llama-3.1-8B ...
+
+init_from: a Hugging Face Llama folder (config.json + safetensors) to fine-tune from.
+The model section must match its config.json (it does for Llama 3.1 8B; a mismatch is
+an error listing the keys and the overrides that fix them). Export back with
+`python -m zerojax.models.hf export --workdir runs/x --out DIR`.
 
 Hardware: 8 GPUs of 80 GB (one 4096-token sequence per device and step).
 """

@@ -78,7 +78,8 @@ def abstract_state(plan: zero.ZeroPlan) -> TrainState:
 
 def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
                tx: optax.GradientTransformation, rng: jax.Array,
-               loss_scaling: precision.LossScaling = precision.NO_SCALING) -> TrainState:
+               loss_scaling: precision.LossScaling = precision.NO_SCALING, *,
+               params: PyTree | None = None) -> TrainState:
   """Creates the train state already sharded: no leaf is ever whole on one device.
 
   Args:
@@ -87,20 +88,26 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     tx: the optimizer.
     rng: a PRNG key (raw uint32[2] or typed).
     loss_scaling: sets the initial loss scale (fp16); the default is a static 1.
+    params: start from these params (e.g. `zerojax.models.hf.load_params`, already
+      laid out by the plan) instead of `init_fn`; the optimizer state is initialised
+      from them. They are donated: the state's params reuse their buffers.
 
   Returns:
     The `TrainState`, each leaf with the sharding the plan gives it.
   """
   key_data = rng if rng.dtype == jnp.uint32 else jax.random.key_data(rng)
 
-  def init(key_data):
+  def init(key_data, params):
     init_key, state_key = jax.random.split(jax.random.wrap_key_data(key_data))
-    params = init_fn(init_key)
+    if params is None:
+      params = init_fn(init_key)
+    else:
+      params = jax.tree.map(lambda p, like: p.astype(like.dtype), params, plan.params)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
                       jax.random.key_data(state_key),
                       precision.init_loss_scale(loss_scaling))
 
-  return jax.jit(init, out_shardings=state_shardings(plan))(key_data)
+  return jax.jit(init, out_shardings=state_shardings(plan), donate_argnums=1)(key_data, params)
 
 
 def _leading_size(batch: PyTree) -> int:

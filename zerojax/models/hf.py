@@ -1,0 +1,485 @@
+"""Hugging Face Llama checkpoints <-> zerojax params, streamed tensor by tensor.
+
+    params = hf.load_params("Meta-Llama-3.1-8B", plan)     # straight onto the mesh
+    hf.save_params(state.params, model.config, "out/")     # config.json + safetensors
+    python -m zerojax.models.hf export --workdir runs/x --out hf_model/
+
+Import: `config.json` gives the model shape (`config_overrides`, `llama_config`); the
+tensors come from `model.safetensors` or the files of `model.safetensors.index.json`.
+Every leaf is built with `jax.make_array_from_callback`: each device's callback reads
+only its own block of the HF tensors (memory-mapped `get_slice`), one layer at a time,
+so a host holds at most its own shards, never a whole stacked leaf at stage 3. With
+several processes every process reads its shards from the same folder (a shared file
+system, or a copy per host).
+
+Export: one (leaf, layer) slice at a time is made whole on every process (a jitted
+slice, then `process_allgather` across processes) and written by process 0 into a
+safetensors file whose header was written first, so host memory is one HF tensor.
+Files over `max_shard_size` are split as `save_pretrained` does (`model-0000i-of-0000N`
+plus an index). The name mapping and transposes are in `zerojax.models.llama`'s
+docstring; `_LEAVES` below is the same table as code. The files themselves (headers,
+index, the streaming writer) are `zerojax.models.safetensors_file`'s.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from safetensors import safe_open
+
+from zerojax.models.llama import LlamaConfig
+from zerojax.models.safetensors_file import INDEX, HFError, tensor_index, write_folder
+
+PyTree = Any
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB".
+# zerojax leaf path, HF tensor name ('{i}': layer index), transposed (HF keeps torch
+# Linear's [out, in]; our kernels are [in, out]). Leaves under 'layers' are stacked.
+_LEAVES = (
+    (("embed_tokens", "embedding"), "model.embed_tokens.weight", False),
+    (("layers", "input_layernorm", "scale"), "model.layers.{i}.input_layernorm.weight", False),
+    (("layers", "mlp", "down_proj", "kernel"), "model.layers.{i}.mlp.down_proj.weight", True),
+    (("layers", "mlp", "gate_proj", "kernel"), "model.layers.{i}.mlp.gate_proj.weight", True),
+    (("layers", "mlp", "up_proj", "kernel"), "model.layers.{i}.mlp.up_proj.weight", True),
+    (("layers", "post_attention_layernorm", "scale"),
+     "model.layers.{i}.post_attention_layernorm.weight", False),
+    (("layers", "self_attn", "k_proj", "kernel"), "model.layers.{i}.self_attn.k_proj.weight", True),
+    (("layers", "self_attn", "o_proj", "kernel"), "model.layers.{i}.self_attn.o_proj.weight", True),
+    (("layers", "self_attn", "q_proj", "kernel"), "model.layers.{i}.self_attn.q_proj.weight", True),
+    (("layers", "self_attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", True),
+    (("norm", "scale"), "model.norm.weight", False),
+    (("lm_head", "kernel"), "lm_head.weight", True),
+)
+# The zerojax `model.*` keys an HF config determines, in configs/base.py's names.
+MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
+              "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_context", "norm_eps", "tie_embeddings")
+_ROPE_KEYS = MODEL_KEYS[8:11]  # Only meaningful when rope_scaling_factor is set.
+
+
+# ------------------------------------------------------------------------- config.json
+
+
+def read_config(folder: str) -> dict:
+  """The parsed `config.json` of a HF folder, checked to be a Llama we can run.
+
+  Raises:
+    HFError: no folder, no or unparseable config.json, another architecture.
+  """
+  if not os.path.isdir(folder):
+    raise HFError("no such folder", path=folder, fix="pass a folder holding config.json "
+                  "and model.safetensors (a Hugging Face Llama download)")
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    raise HFError("no config.json in this folder", path=folder,
+                  fix="download the whole model repository, config.json included")
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise HFError(f"cannot read it: {e}", path=path) from None
+  if "LlamaForCausalLM" not in (raw.get("architectures") or []) and raw.get("model_type") != "llama":
+    raise HFError(f"architectures {raw.get('architectures')} / model_type "
+                  f"{raw.get('model_type')!r} is not a Llama causal LM", path=path,
+                  fix="zerojax imports LlamaForCausalLM (model_type 'llama') checkpoints only")
+  return raw
+
+
+def config_overrides(folder: str) -> dict[str, Any]:
+  """The zerojax `model.*` values (configs/base.py names) of a HF Llama folder.
+
+  Reads both RoPE conventions: `rope_theta` / `rope_scaling` at the top level
+  (transformers 4.x) and `rope_parameters: {rope_theta, rope_type, factor, ...}`
+  (newer). Only 'default' and 'llama3' RoPE types exist in our model.
+
+  Returns:
+    {key: value} for every key of `MODEL_KEYS`; without scaling the factor is 0.0 and
+    the other three RoPE keys keep configs/base.py's defaults.
+
+  Raises:
+    HFError: a missing key, or a feature our Llama lacks (biases, another head_dim,
+      another activation or RoPE type).
+  """
+  raw, path = read_config(folder), os.path.join(folder, "config.json")
+
+  def need(key, where=raw):
+    if key not in where:
+      raise HFError(f"has no {key!r}", path=path)
+    return where[key]
+
+  heads = int(need("num_attention_heads"))
+  d_model = int(need("hidden_size"))
+  unsupported = [
+      (raw.get("hidden_act", "silu") != "silu", f"hidden_act {raw.get('hidden_act')!r}"),
+      (bool(raw.get("attention_bias")), "attention_bias true"),
+      (bool(raw.get("mlp_bias")), "mlp_bias true"),
+      (raw.get("head_dim") not in (None, d_model // heads),
+       f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")]
+  for bad, what in unsupported:
+    if bad:
+      raise HFError(f"{what}: zerojax's Llama does not have this", path=path)
+  # Newer transformers: everything in rope_parameters; older: top-level keys.
+  rope = raw.get("rope_parameters") or {}
+  theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))  # HF's default base.
+  scaling = raw.get("rope_scaling") or rope
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  out = dict(vocab_size=int(need("vocab_size")), d_model=d_model,
+             d_ff=int(need("intermediate_size")), n_layers=int(need("num_hidden_layers")),
+             n_heads=heads, n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+             rope_theta=float(theta), rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
+             rope_high_freq_factor=4.0, rope_original_context=8192,
+             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's defaults.
+             tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
+  if kind == "llama3":
+    out.update(rope_scaling_factor=float(need("factor", scaling)),
+               rope_low_freq_factor=float(need("low_freq_factor", scaling)),
+               rope_high_freq_factor=float(need("high_freq_factor", scaling)),
+               rope_original_context=int(need("original_max_position_embeddings", scaling)))
+  elif kind != "default":
+    raise HFError(f"RoPE type {kind!r}: zerojax's Llama has 'default' and 'llama3' only",
+                  path=path)
+  return out
+
+
+def llama_config(folder: str, **kwargs: Any) -> LlamaConfig:
+  """The `LlamaConfig` of a HF folder; `kwargs` set the rest (dtypes, remat, ...)."""
+  v = config_overrides(folder)
+  scaling = None
+  if v["rope_scaling_factor"]:
+    scaling = dict(factor=v["rope_scaling_factor"], low_freq_factor=v["rope_low_freq_factor"],
+                   high_freq_factor=v["rope_high_freq_factor"],
+                   original_max_position_embeddings=v["rope_original_context"])
+  return LlamaConfig(vocab_size=v["vocab_size"], d_model=v["d_model"], n_layers=v["n_layers"],
+                     n_heads=v["n_heads"], n_kv_heads=v["n_kv_heads"], d_ff=v["d_ff"],
+                     rope_theta=v["rope_theta"], rope_scaling=scaling, norm_eps=v["norm_eps"],
+                     tie_embeddings=v["tie_embeddings"], **kwargs)
+
+
+def check_config(folder: str, model: Any) -> None:
+  """Raises `HFError` listing every `model.*` key of a config that config.json contradicts.
+
+  Args:
+    folder: the HF folder.
+    model: the config's `model` section (ConfigDict or dict with configs/base.py keys).
+  """
+  if model["name"] != "llama":
+    raise HFError(f"model.name is {model['name']!r}, the folder holds a Llama", path=folder,
+                  fix="set --config.model.name=llama")
+  hf = config_overrides(folder)
+  keys = [k for k in MODEL_KEYS if k not in _ROPE_KEYS or hf["rope_scaling_factor"]]
+  differ = [k for k in keys if (float(model[k]) != float(hf[k]) if isinstance(hf[k], float)
+                                else model[k] != hf[k])]
+  if differ:
+    raise HFError(
+        "the config's model section does not match config.json:\n    " +
+        "\n    ".join(f"model.{k}: config {model[k]!r}, config.json {hf[k]!r}" for k in differ),
+        path=os.path.join(folder, "config.json"),
+        fix=" ".join(f"--config.model.{k}={hf[k]}" for k in differ))
+
+
+def _expected(c: LlamaConfig) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
+  """{our leaf path: (HF name template, transposed, HF tensor shape, our leaf shape)}."""
+  D, F, V = c.d_model, c.d_ff, c.vocab_size
+  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  shapes = {"embed_tokens": (V, D), "input_layernorm": (D,), "post_attention_layernorm": (D,),
+            "down_proj": (D, F), "gate_proj": (F, D), "up_proj": (F, D), "q_proj": (q, D),
+            "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q), "norm": (D,),
+            "lm_head": (V, D)}
+  out = {}
+  for path, name, transposed in _LEAVES:
+    if path[0] == "lm_head" and c.tie_embeddings:
+      continue  # Tied: the head is the embedding; HF files usually omit lm_head.weight.
+    stacked, shape = path[0] == "layers", shapes[path[-2] if path[0] == "layers" else path[0]]
+    ours = shape[::-1] if transposed else shape
+    out[path] = (name, transposed, shape, (c.n_layers, *ours) if stacked else ours)
+  return out
+
+
+def _leaves(tree: PyTree, expected: dict, what: str) -> dict[tuple, Any]:
+  """{path: leaf} of a Llama param tree; ValueError unless it has `expected`'s shapes."""
+  leaves = {tuple(k.key for k in p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+  want = {p: e[3] for p, e in expected.items()}
+  have = {p: tuple(x.shape) for p, x in leaves.items()}
+  differ = [f"{'/'.join(p)}: {what} {have.get(p, 'absent')}, config {want.get(p, 'absent')}"
+            for p in sorted(want.keys() | have.keys()) if want.get(p) != have.get(p)]
+  if differ:
+    raise ValueError(f"the {what} does not have the config's shapes:\n    " + "\n    ".join(differ))
+  return leaves
+
+
+def _check_tensors(folder: str, c: LlamaConfig, tensors: dict) -> None:
+  """Every expected tensor present with its shape, none unexpected; errors name files."""
+  expected = {}
+  for path, (name, _, shape, _) in _expected(c).items():
+    for i in range(c.n_layers) if path[0] == "layers" else [None]:
+      expected[name.format(i=i)] = shape
+  index = os.path.join(folder, INDEX)
+  where = lambda n: tensors[n][0] if n in tensors else (
+      index if os.path.isfile(index) else ", ".join(sorted({t[0] for t in tensors.values()})))
+  for name, shape in expected.items():
+    if name not in tensors:
+      raise HFError(f"missing tensor {name} (shape {shape})", path=where(name),
+                    fix="the download is incomplete, or it is not a Llama checkpoint")
+    if tuple(tensors[name][2]) != shape:
+      raise HFError(f"tensor {name} has shape {tensors[name][2]}, config.json implies {shape}",
+                    path=where(name))
+  # HF buffers that are not parameters; a tied head may be saved anyway (it is ignored).
+  ignored = lambda n: n.endswith("rotary_emb.inv_freq") or (n == "lm_head.weight" and c.tie_embeddings)
+  extra = sorted(n for n in tensors if n not in expected and not ignored(n))
+  if extra:
+    raise HFError(f"unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)"
+                  if len(extra) > 1 else "") + ": not part of a Llama with this config.json",
+                  path=where(extra[0]))
+
+
+# ------------------------------------------------------------------------------ import
+
+
+def _read_slice(files: Callable[[str], Any], tensors: dict, name: str, index: tuple) -> np.ndarray:
+  """`tensors[name][index]` from its file, in the file's dtype (mmap: reads only those pages)."""
+  return files(tensors[name][0]).get_slice(name)[index]
+
+
+def _read_block(files, tensors, template: str, transposed: bool, stacked: bool,
+                shape: tuple, dtype: np.dtype, index: tuple) -> np.ndarray:
+  """One device's block `index` of a leaf of `shape`, read layer by layer, in `dtype`.
+
+  The HF tensor is sliced in its own layout ([out, in]: the index reversed for a
+  kernel) and then transposed, so only the block is read; it is converted to the
+  param dtype one layer at a time (fp32 -> bf16 rounds to nearest even: ml_dtypes'
+  cast, the same as `jnp.astype`), so the host holds the block plus one layer slice.
+  """
+  index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+  inner = index[1:] if stacked else index
+  hf_index = inner[::-1] if transposed else inner
+  block = np.empty(tuple(s.stop - s.start for s in index), dtype)
+  for j, layer in enumerate(range(index[0].start, index[0].stop) if stacked else [None]):
+    x = _read_slice(files, tensors, template.format(i=layer), hf_index)
+    (block[j] if stacked else block)[...] = (x.T if transposed else x).astype(dtype)
+  return block
+
+
+def load_params(folder: str, target: Any) -> PyTree:
+  """Reads a HF Llama's weights straight onto the mesh, each device its own block.
+
+  Args:
+    folder: a HF folder (config.json + model.safetensors, or sharded files with
+      model.safetensors.index.json; fp32, bf16 or fp16 tensors).
+    target: a `zerojax.ZeroPlan` (params take its param dtype and the stage's
+      shardings: at stage 3 layer-stacked leaves are sharded), or a params-shaped
+      pytree of `jax.ShapeDtypeStruct`s with shardings (none: the default device).
+
+  Returns:
+    The param tree of `zerojax.models.llama.Llama`: nested dicts of `jax.Array`s
+    in the target's dtypes and shardings, kernels [in, out], layers stacked on axis 0.
+
+  Raises:
+    HFError: naming the file, for any problem in the folder (see `read_config`,
+      `tensor_index`), and when the target does not have config.json's shapes.
+  """
+  from zerojax.zero import ZeroPlan  # pylint: disable=import-outside-toplevel
+  if isinstance(target, ZeroPlan):
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          target.params, target.shardings(target.param_specs))
+  c = llama_config(folder)
+  tensors = tensor_index(folder)
+  _check_tensors(folder, c, tensors)
+  expected = _expected(c)
+  try:
+    _leaves(target, expected, "model")
+  except ValueError as e:
+    raise HFError(f"{e} (of config.json)", path=os.path.join(folder, "config.json"),
+                  fix="build the model from hf.llama_config(folder) (train.py: match "
+                  "the model section)") from None
+
+  with contextlib.ExitStack() as stack:
+    handles = {}
+
+    def files(path):  # One open (memory-mapped) handle per file, closed at the end.
+      if path not in handles:
+        handles[path] = stack.enter_context(safe_open(path, framework="numpy"))
+      return handles[path]
+
+    def leaf(path, x):
+      name, transposed, _, _ = expected[path]
+      sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      cache = {}  # Devices holding the same block (replicas) share one read.
+
+      def callback(index):
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in cache:
+          cache[key] = _read_block(files, tensors, name, transposed, path[0] == "layers",
+                                   tuple(x.shape), np.dtype(x.dtype), index)
+        return cache[key]
+      # Waits for the copies to the devices, so the host blocks go before the next leaf.
+      return jax.make_array_from_callback(tuple(x.shape), sharding, callback,
+                                          dtype=x.dtype).block_until_ready()
+
+    # One leaf at a time: its host blocks are freed before the next leaf is read.
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: leaf(tuple(k.key for k in p), x), target)
+
+
+# ------------------------------------------------------------------------------ export
+
+
+def hf_config(c: LlamaConfig, dtype: str, max_position_embeddings: int | None = None) -> dict:
+  """config.json of a LlamaForCausalLM with `c`'s shape, in transformers' standard layout."""
+  s = c.rope_scaling
+  scaling = None if s is None else {**dict(s), "rope_type": "llama3"}
+  if max_position_embeddings is None:  # Unknown to zerojax: Llama 3.1-3.3's 128K if scaled.
+    max_position_embeddings = 131072 if s else 8192
+  return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+      "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
+      "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+      "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": max_position_embeddings, "rms_norm_eps": c.norm_eps,
+      "rope_theta": c.rope_theta, "rope_scaling": scaling,
+      "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+      "use_cache": True, "torch_dtype": str(np.dtype(dtype)),
+  }
+
+
+_take = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False))
+
+
+def _fetch(x: jax.Array, layer: int | None) -> np.ndarray:
+  """Leaf `x` (or its layer `layer`) whole on the host of every process.
+
+  Every process must call this in the same order: with several processes the slice is
+  made whole by an all-gather (`process_allgather`), a collective.
+  """
+  x = x if layer is None else _take(x, layer)  # Stays sharded: only one layer moves.
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  return multihost_utils.process_allgather(x, tiled=True)
+
+
+def save_params(params: PyTree, config: LlamaConfig, folder: str, *, dtype: Any = None,
+                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                max_position_embeddings: int | None = None) -> list[str]:
+  """Writes params as a HF Llama folder: config.json + safetensors (+ index if split).
+
+  Args:
+    params: the Llama param tree (or a `TrainState`), any sharding or stage; every
+      process of a multi-process run must call this (the gathers are collectives);
+      only process 0 writes.
+    config: the model's `LlamaConfig`.
+    folder: created if missing; weights of an earlier export there are removed.
+    dtype: tensor dtype in the files: 'bfloat16', 'float32' or 'float16'; default the
+      params' own (bit-exact round trip). fp32 -> bf16 rounds to nearest even.
+    max_shard_size: bytes per file before a new one starts (one tensor larger than
+      this gets a file of its own), as `save_pretrained`.
+    max_position_embeddings: for config.json (zerojax has no such limit).
+
+  Returns:
+    The safetensors file names written, in order.
+  """
+  params = getattr(params, "params", params)
+  expected = _expected(config)
+  leaves = _leaves(params, expected, "params")
+  out_dtype = np.dtype(dtype or leaves[("embed_tokens", "embedding")].dtype)
+
+  def tensor(path, layer):  # (HF name, HF shape, produce: the gathered HF tensor).
+    name, transposed, shape, _ = expected[path]
+    produce = lambda: (lambda x: x.T if transposed else x)(_fetch(leaves[path], layer))
+    return name.format(i=layer), shape, produce
+
+  # HF's order: embedding, layer 0's tensors, layer 1's, ..., final norm, head.
+  order = [(p, None) for p in expected if p[0] == "embed_tokens"]
+  order += [(p, i) for i in range(config.n_layers) for p in expected if p[0] == "layers"]
+  order += [(p, None) for p in expected if p[0] in ("norm", "lm_head")]
+  write = jax.process_index() == 0
+  if write:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      json.dump(hf_config(config, out_dtype, max_position_embeddings), f, indent=2)
+  names = write_folder(folder, [tensor(*o) for o in order], out_dtype, max_shard_size, write)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("zerojax.models.hf.save_params")  # Files complete.
+  return names
+
+
+# --------------------------------------------------------------------------------- CLI
+
+
+def _parse_size(text: str) -> int:
+  """'5GB' -> 5e9, '500MB', '2GiB', or plain bytes."""
+  units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+  t = text.strip().upper()
+  for unit, scale in units.items():
+    if t.endswith(unit):
+      return int(float(t[:-len(unit)]) * scale)
+  return int(t)
+
+
+def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
+                      **kwargs: Any) -> list[str]:
+  """Exports a train.py checkpoint of `workdir` (the newest intact, or `step`).
+
+  The state is restored at stage 3 over all devices (checkpoints restore onto any
+  plan), so each device holds 1/N of it; then `save_params(..., **kwargs)`.
+  """
+  # pylint: disable=import-outside-toplevel
+  import ml_collections
+  from zerojax import checkpoint, make_mesh, make_plan, models, optim
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise HFError("no checkpoints directory: nothing to export", path=directory,
+                  fix="pass the --workdir of a train.py run that saved a checkpoint")
+  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise HFError("no checkpoint in it", path=directory)
+    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
+    if config.model.name != "llama":
+      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
+    model = models.from_config(config)
+    tx, _ = optim.optimizer_from_config(config.optimizer, config.train.steps,
+                                        mask=optim.decay_mask(model.logical_axes()),
+                                        seed=config.seed)
+    plan = make_plan(make_mesh(1, -1), 3, jax.eval_shape(model.init, jax.random.key(0)), tx,
+                     logical_axes=model.logical_axes())
+    state, meta = ckpt.restore(step, plan) if step else ckpt.restore_latest(plan)
+    print(f"restored {directory}/{meta['step']}", flush=True)
+    return save_params(state.params, model.config, out, **kwargs)
+  finally:
+    ckpt.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+  """python -m zerojax.models.hf export --workdir runs/x --out DIR [--step N] [--dtype D]."""
+  from zerojax import checkpoint  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="python -m zerojax.models.hf", description=__doc__.split("\n")[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  export = sub.add_parser("export", help="a train.py checkpoint -> a Hugging Face Llama folder")
+  export.add_argument("--workdir", required=True, help="train.py's --workdir")
+  export.add_argument("--out", required=True, help="the folder to write")
+  export.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+  export.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                      help="tensor dtype (default: the params' own)")
+  export.add_argument("--max_shard_size", default="5GB", help="bytes per file, e.g. 5GB, 500MB")
+  export.add_argument("--max_position_embeddings", type=int, default=None,
+                      help="for config.json (default: 131072 with RoPE scaling, else 8192)")
+  args = parser.parse_args(argv)
+  try:
+    names = export_checkpoint(args.workdir, args.out, step=args.step, dtype=args.dtype,
+                              max_shard_size=_parse_size(args.max_shard_size),
+                              max_position_embeddings=args.max_position_embeddings)
+  except (HFError, checkpoint.CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+  print(f"wrote {args.out}: config.json, {', '.join(names)}", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
