@@ -9,7 +9,9 @@ parameter count and the compiled per-device memory of the step; then a progress 
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
 and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
-`--fake_devices`) and exits. Bad config or data: one message, exit status 2.
+`--fake_devices`) and exits. Bad config or data: one message, exit status 2. Several
+processes (README, Multi-host): the same command on each; exit status 4 if they do not
+all join within distributed.initialization_timeout.
 """
 
 import os
@@ -21,13 +23,10 @@ def _fake_devices(argv: list[str]) -> None:
   for i, arg in enumerate(argv):
     if arg.startswith("--fake_devices"):
       n = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
-      # The memory-optimized scheduler, and no hoisting of whole-stack f32 copies out of
-      # the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
-      os.environ["XLA_FLAGS"] = " ".join([
-          os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}",
-          "--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-          "--xla_disable_hlo_passes=while-loop-invariant-code-motion"])
-      os.environ["JAX_PLATFORMS"] = "cpu"
+      # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
+      # of the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
+      from zerojax.build import fake_cpu_devices  # pylint: disable=import-outside-toplevel
+      fake_cpu_devices(int(n))
 
 
 if __name__ == "__main__":
@@ -39,14 +38,15 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 import zerojax
-from zerojax import checkpoint, data, metrics, models, optim, precision
+from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
+                     precision)
+from zerojax.build import build
 from zerojax.config import exit_on_config_error, load_config, parse_argv
-from zerojax.mesh import mesh_from_config
+from zerojax.mesh import processes_per_group
+from zerojax.models import hf
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
@@ -67,10 +67,17 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--fake_devices", type=int, default=0,
                       help="run on this many fake CPU devices (read before JAX starts)")
   parser.add_argument("--workdir", default=None, help="overrides config.workdir")
+  parser.add_argument("--stop_after", type=int, default=None, metavar="STEP",
+                      help="after this step, save and exit as on SIGTERM (a preemption "
+                           "drill; the same command without it resumes)")
   args = parser.parse_args(rest)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]
-  # Every config mistake surfaces here, before anything touches a device.
+  # Every config mistake surfaces here, before anything touches a device; then this
+  # process joins the others of a multi-host run (zerojax.distributed: config keys, env,
+  # SLURM / Open MPI; none = one process; exit 4 if they do not all join in time), and
+  # only then are the mesh and batch checked against the devices of all processes.
+  distributed.initialize(load_config(path, overrides).distributed)
   config = load_config(path, overrides, num_devices=jax.device_count())
   c, t = config, config.train
   report = metrics.Reporter(c.workdir)
@@ -78,6 +85,8 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
   report(f"config {path} {' '.join(overrides)}\n{config}")
+  if c.init_from:  # A model section that contradicts its config.json: HFError, exit 2.
+    hf.check_config(c.init_from, c.model)
   # Checkpoints in <workdir>/checkpoints; a config that contradicts the newest one is an
   # error now, before anything is compiled (CheckpointError: exit 2).
   ckpt, run_meta = None, {"config": config.to_dict()}
@@ -92,37 +101,39 @@ def main(argv: list[str]) -> int:
   # Every data mistake surfaces here too, before the model is built or compiled.
   train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
                                                cache_dir=c.workdir)
-  mesh = mesh_from_config(c)
-  model = models.from_config(c)
-  tx, schedule = optim.optimizer_from_config(
-      c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
-  loss_scaling = precision.loss_scaling_from_config(c.precision)
+  # The mesh, model, optimizer, ZeRO plan and jitted step (the memory planner compiles
+  # the same ones: zerojax.build).
+  built = build(config)
+  mesh, model, tx, schedule, loss_scaling, plan, train_step, batch_sharding = built[:8]
   key = jax.random.key(c.seed)
-  plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, key), tx,
-                           logical_axes=model.logical_axes(),
-                           min_shard_size=c.zero.min_shard_size)
-  train_step = zerojax.make_train_step(
-      plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
-      learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
-      accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
-  batch_sharding = NamedSharding(mesh, plan.batch_spec)
-  abstract_batch = {"tokens": jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1),
-                                                   jnp.int32, sharding=batch_sharding)}
 
   # Compiled from abstract inputs: the memory is known before anything is allocated.
   start = time.perf_counter()
-  mem = compiled_memory(train_step, zerojax.abstract_state(plan), abstract_batch)
+  mem = compiled_memory(train_step, built.abstract_state, built.abstract_batch)
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
   shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
   total = mem["arguments"] + mem["temporaries"]
-  report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  mesh {shape}  "
+  if jax.process_count() > 1:  # Hybrid (fsdp inside a host) or not.
+    span = processes_per_group(mesh, "fsdp")
+    shape += (f" (fsdp spans {span} processes)" if span > 1 else
+              " (fsdp inside each process: hybrid)")
+  report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  "
+         f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
          f"tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M\n"
          f"per-device memory (compiled): arguments {metrics.fmt_bytes(mem['arguments'])} + "
          f"temporaries {metrics.fmt_bytes(mem['temporaries'])} = {metrics.fmt_bytes(total)}  "
          f"(compile {time.perf_counter() - start:.1f}s)",
-         devices=jax.device_count(), mesh=dict(mesh.shape), stage=c.zero.stage,
+         devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape), stage=c.zero.stage,
          params=n_params, memory=mem)
+  # The memory planner's estimate beside the compiled numbers, and a verdict where the
+  # device says how much memory it has (python -m zerojax.memory explains the rows).
+  estimate = memory.estimate(config, jax.device_count(),
+                             memory_report.device_memory(jax.devices()[0]))
+  found = memory.suggestions(estimate.setup, device_memory=estimate.device_memory)
+  report("\n".join(filter(None, [memory_report.format_table(estimate, mem, title=path),
+                                 memory_report.format_suggestions(estimate, found)])),
+         memory_estimate=estimate.total)
   if args.dry_run:
     return 0
 
@@ -132,8 +143,14 @@ def main(argv: list[str]) -> int:
   if restored:
     state, meta = restored
     report(f"resumed from {ckpt.directory}/{meta['step']}", step=meta["step"], resumed=True)
+    if c.init_from:
+      report(f"init_from {c.init_from} ignored: the checkpoint takes precedence")
   else:
-    state = zerojax.init_state(plan, model.init, tx, key, loss_scaling)
+    params = None
+    if c.init_from:  # Each device reads only its own shards of the HF weights.
+      params = hf.load_params(c.init_from, plan)
+      report(f"initialized from {c.init_from}", init_from=c.init_from)
+    state = zerojax.init_state(plan, model.init, tx, key, loss_scaling, params=params)
   start = int(state.step)  # The data position: batches are a pure function of the step.
   stop = checkpoint.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
   eval_step = zerojax.make_eval_step(plan, model.loss)
@@ -186,12 +203,15 @@ def main(argv: list[str]) -> int:
       report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
     if ckpt:
       ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
-    if stop(step):
+    if stop(step) or step == args.stop_after:  # --stop_after: exactly like a SIGTERM.
       if ckpt:
         ckpt.save(step, state, run_meta)  # No-op if maybe_save just saved this step.
         ckpt.close()  # Waits for the write to commit.
+      stop.close()
       report.stop_bar()
-      report(f"stopped by signal {stop.received} after step {step}: "
+      why = (f"signal {stop.received.name}" if stop.received else "--stop_after"
+             if step == args.stop_after else "a preemption notice (SIGTERM, multi-process)")
+      report(f"stopped by {why} after step {step}: "
              + ("saved; the same command resumes" if ckpt else "no workdir, nothing saved"),
              step=step, stopped=True)
       return 0
@@ -216,7 +236,7 @@ def run(argv: list[str]) -> int:
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 3
-  except (data.DataError, checkpoint.CheckpointError) as e:  # Like a bad config: exit 2.
+  except (data.DataError, checkpoint.CheckpointError, hf.HFError) as e:  # Like a bad config: exit 2.
     # The message, no traceback.
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 2

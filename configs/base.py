@@ -13,10 +13,20 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # PRNG seed for parameter init, data order and dropout.
   c.workdir = ""  # Where logs (and later checkpoints) go; "" = do not write.
+  c.init_from = ""  # A Hugging Face Llama folder to start from (model.* must match its config.json); a resumed checkpoint wins.
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1  # Replicas ('data' axis); -1 = the devices left over.
   c.mesh.fsdp = -1  # Devices the ZeRO state is sharded over ('fsdp' axis); -1 = the rest.
+
+  c.distributed = ml_collections.ConfigDict()  # Multi-host (jax.distributed); nothing set and no cluster detected = one process.
+  c.distributed.coordinator_address = ""  # host:port of process 0; "" = $JAX_COORDINATOR_ADDRESS, else SLURM / Open MPI / k8s detection.
+  c.distributed.num_processes = 0  # Processes in the run; 0 = $ZEROJAX_NUM_PROCESSES, else detected, else 1.
+  c.distributed.process_id = -1  # This process's id, 0..num_processes-1; -1 = $ZEROJAX_PROCESS_ID, else detected.
+  c.distributed.local_device_ids = ""  # Devices this process uses: "0,1,..."; "all"; "" = JAX's choice (SLURM / Open MPI: the local rank's GPU).
+  c.distributed.initialization_timeout = 300  # Seconds for every process to join; then each exits with status 4 and a message.
+  c.distributed.heartbeat_timeout = 100  # Seconds without heartbeats before a process counts as dead and JAX aborts the others.
+  c.distributed.shutdown_timeout = 300  # Seconds a finishing process waits at exit for the others to finish too.
 
   c.zero = ml_collections.ConfigDict()
   c.zero.stage = 3  # 0: plain data parallel, 1: +optimizer state sharded, 2: +gradients, 3: +params.

@@ -1,0 +1,231 @@
+"""The memory planner's report and CLI: the tables `python -m zerojax.memory` and
+`train.py` print (see `zerojax.memory` for what is estimated and how).
+
+    python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
+        [--compile] [--json] [--config.a.b=value ...]
+
+Exit status: 0 fits (or no --device-memory given), 1 does not fit, 2 bad config.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+from zerojax.memory import (_BYTES, GiB, Estimate, Setup, Suggestion, attribute, estimate,
+                            suggestions)
+
+
+def parse_bytes(text: str) -> int:
+  """'80GiB', '80GB' (1e9), '141G' (1e9), '512MiB', '1e9' -> bytes."""
+  m = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?)b?\s*", str(text).lower())
+  if not m:
+    raise ValueError(f"not a size: {text!r} (write e.g. 80GiB or 141GB)")
+  power = " kmgt".index(m.group(2) or " ")
+  return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def _fmt(n: float) -> str:
+  for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if abs(n) >= size or unit == "KiB":
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _gb(n: float) -> str:  # Decimal units, as the hand arithmetic counts.
+  return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _cpu_without_memory_flags() -> bool:
+  """Compiled by XLA:CPU without `build.CPU_MEMORY_FLAGS` (its default scheduler keeps
+  more alive than the planner, calibrated with them, expects)."""
+  from zerojax.build import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
+  jax = sys.modules.get("jax")
+  return (jax is not None and jax.default_backend() == "cpu"
+          and not all(f in os.environ.get("XLA_FLAGS", "") for f in CPU_MEMORY_FLAGS))
+
+
+def _labels(s: Setup) -> dict:
+  shard = lambda on: f", /{s.fsdp}" if on and s.fsdp > 1 else ""
+  moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
+  stage = s.stage if s.fsdp > 1 else 0
+  grads = {3: "local shards", 2: f"/{s.fsdp} + one leaf whole"}.get(stage, "whole + fp32 params")
+  return {
+      "params": f"params ({s.param_dtype}{shard(s.stage >= 3)})",
+      "optimizer": f"optimizer {moments} ({s.state_dtype}{shard(s.stage >= 1)})",
+      "update buffer": f"{s.update_rule} buffer ({'float32' if s.update_rule == 'master' else s.param_dtype}"
+                       f"{shard(s.stage >= 1)})",
+      "layer gradients": f"layer gradients, stacked ({s.param_dtype})",
+      "gradients": f"gradients ({s.reduce_dtype}, {grads})",
+      "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",
+      "saved activations": f"saved activations (remat {s.remat})",
+      "working set": "one layer's recompute + backward",
+      "gathered layer": "gathered layer (fp32 on XLA:CPU)",
+      "gathered head": "gathered head/embedding + a copy",
+      "head gradient": "head gradient (fp32, whole)",
+      "loss chunk": "loss chunk (fp32 logits)",
+      "embedding copy": "embedding copy (XLA:CPU)",
+      "batch": "batch (int32 tokens)"}
+
+
+def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | None = None,
+                 title: str = "") -> str:
+  """The plan as text: conventional bytes/param, per-device components (estimate and,
+  if given, compiled), total, verdict."""
+  s, c = e.setup, e.conventional
+  held = c["params"] + _BYTES[s.reduce_dtype] + c["optimizer"]
+  k = c["optimizer"]
+  lines = [
+      f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
+      f"ZeRO stage {s.stage}".replace("  ", " "),
+      f"  {_count(e.params)} params; per device {s.batch} x {s.seq_len} tokens x "
+      f"{s.microbatches} microbatch(es); remat {s.remat}; {s.optimizer}, {s.state_dtype} state, "
+      f"{s.update_rule} updates",
+      f"model state as users count it: params {c['params']} + gradients {c['gradients']} + "
+      f"optimizer {k:g} = {e.bytes_per_param:g} B/param = {_gb(e.params * e.bytes_per_param)} "
+      f"in all; per device at stage {s.stage}: {_gb(e.conventional_per_device)}",
+      f"what zerojax holds: params {c['params']} + optimizer {k:g} (state) + {s.reduce_dtype} "
+      f"gradients {_BYTES[s.reduce_dtype]} (temporaries) = {held:g} B/param before sharding, "
+      "plus activations:"]
+  head = f"  {'component (per device)':44s} {'estimate':>11s}"
+  if compiled:
+    head += f" {'compiled':>11s}  est/comp"
+  lines.append(head)
+  peak = e.peak_phase
+  row = lambda mark, label, est, comp=None: lines.append(
+      f"{mark} {label:44s} {_fmt(est):>11s}" + (
+          "" if comp is None else f" {_fmt(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")))
+  labels = _labels(s)
+  for key in ("params", "optimizer", "update buffer", "batch"):
+    if key in e.components:
+      row(" ", labels[key], e.components[key])
+  row(" ", "= arguments (state and batch)", e.state, compiled and compiled["arguments"])
+  attributed = dict(attributed or {})
+  if "accumulator" in e.parts[peak]:  # Same shapes as the gradients: counted with them.
+    attributed["gradients"] = attributed.get("gradients", 0) - e.components["accumulator"]
+    attributed["accumulator"] = e.components["accumulator"]
+  for key, est in e.components.items():
+    if key not in ("params", "optimizer", "update buffer", "batch"):
+      row("*" if key in e.parts[peak] else " ", labels[key], est,
+          attributed.get(key) if compiled and attributed else None)
+  if compiled and attributed:
+    rest = compiled["temporaries"] - sum(v for k, v in attributed.items() if k in e.components)
+    lines.append(f"  {'(compiled only: padding, other buffers)':44s} {'':>11s} {_fmt(rest):>11s}")
+  row(" ", f"= temporaries at the peak: {peak} (*)", e.phases[peak],
+      compiled and compiled["temporaries"])
+  row(" ", "= total per device", e.total,
+      compiled and compiled["arguments"] + compiled["temporaries"])
+  if compiled and attributed:
+    lines += _differences(e, compiled, attributed, labels)
+  if compiled and _cpu_without_memory_flags():
+    lines.append("(compiled by XLA:CPU without its memory flags, which the estimate assumes: "
+                 "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
+  if e.device_memory:
+    lines.append(f"verdict: {'fits' if e.fits else 'does NOT fit'} in "
+                 f"{_fmt(e.device_memory)} per device: {'headroom' if e.fits else 'short by'} "
+                 f"{_fmt(abs(e.headroom))} ({abs(e.headroom) / e.device_memory:.0%})")
+  return "\n".join(lines)
+
+
+def _differences(e, compiled, attributed, labels) -> list[str]:
+  """The total's ratio; where it is off by more than 10%, the components that differ."""
+  total = compiled["arguments"] + compiled["temporaries"]
+  ratio = e.total / total
+  out = [f"estimate / compiled = {ratio:.3f}" + ("" if abs(ratio - 1) <= 0.1 else
+                                                 "  (more than 10% apart)")]
+  peak = e.parts[e.peak_phase]  # Compiled at its peak vs the estimate's peak phase.
+  keys = [k for k in e.components if k in peak or attributed.get(k)]
+  diffs = sorted(((attributed.get(k, 0) - (e.components[k] if k in peak else 0), k)
+                  for k in keys), key=lambda d: -abs(d[0]))
+  big = [(d, k) for d, k in diffs if abs(d) > 0.1 * max(e.components[k], 1)
+         and abs(d) > 0.02 * total]
+  if big and abs(ratio - 1) > 0.1:
+    out.append("where they differ (compiled minus estimate at the peak): " + "; ".join(
+        f"{labels[k]} {'+' if d > 0 else '-'}{_fmt(abs(d))}" for d, k in big))
+  return out
+
+
+def format_suggestions(e: Estimate, found: list[Suggestion]) -> str:
+  if not e.device_memory or e.fits:
+    return ""
+  if not found:
+    return "no change tried here makes it fit (see zerojax.memory._changes)"
+  lines = ["changes that make it fit, cheapest first:"]
+  for i, x in enumerate(found, 1):
+    lines.append(f"  {i}. {x.change:60s} -> {_fmt(x.estimate.total):>11s} "
+                 f"({' '.join('--config.' + o for o in x.overrides)})")
+  return "\n".join(lines)
+
+
+def to_dict(e: Estimate) -> dict:
+  return dict(setup=dataclasses.asdict(e.setup), params=e.params,
+              bytes_per_param=e.bytes_per_param, conventional=e.conventional,
+              conventional_per_device=e.conventional_per_device, components=e.components,
+              phases=e.phases, peak_phase=e.peak_phase, state=e.state, total=e.total,
+              device_memory=e.device_memory, fits=e.fits)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """The CLI; exit status 0: fits (or no --device-memory), 1: does not fit, 2: bad config."""
+  from zerojax.config import exit_on_config_error  # pylint: disable=import-outside-toplevel
+  return exit_on_config_error(_main)(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
+  from zerojax.config import load_config, parse_argv  # pylint: disable=import-outside-toplevel
+  path, overrides, rest = parse_argv(argv)
+  p = argparse.ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
+  p.add_argument("--devices", type=int, required=True, help="devices the run uses")
+  p.add_argument("--device-memory", "--device_memory", default="",
+                 help="memory per device, e.g. 80GiB or 141GB; gives a verdict and suggestions")
+  p.add_argument("--compile", action="store_true", help="also compile the step on as many "
+                 "fake CPU devices (XLA:CPU memory flags) and show XLA's numbers")
+  p.add_argument("--json", action="store_true", help="print one JSON object instead")
+  args = p.parse_args(rest)
+  try:
+    device_memory = parse_bytes(args.device_memory) if args.device_memory else 0
+  except ValueError as err:
+    p.error(str(err))
+  if args.compile:  # XLA reads its flags when JAX starts its backend: before any device work.
+    from zerojax.build import fake_cpu_devices  # pylint: disable=import-outside-toplevel
+    fake_cpu_devices(args.devices)
+  config = load_config(path, overrides, num_devices=args.devices)
+  e = estimate(config, args.devices, device_memory)
+  compiled = attributed = None
+  if args.compile:
+    from zerojax import build  # pylint: disable=import-outside-toplevel
+    dump = tempfile.mkdtemp(prefix="zerojax_memory_")
+    try:  # The buffer assignment says what the temporaries at the peak are.
+      compiled = build.compiled_memory(build.build(config), dump_to=dump)
+      attributed = attribute(e.setup, build.live_at_peak(dump))
+    finally:
+      shutil.rmtree(dump, ignore_errors=True)
+  found = suggestions(e.setup, device_memory=device_memory)
+  if args.json:
+    print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed, suggestions=[
+        dict(change=x.change, overrides=x.overrides, total=x.estimate.total) for x in found])))
+  else:
+    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides])))
+    if compiled:
+      print(f"(compiled in {compiled['seconds']:.1f} s on {args.devices} fake CPU devices)")
+    text = format_suggestions(e, found)
+    if text:
+      print(text)
+  return 0 if not device_memory or e.fits else 1
+
+
+def device_memory(device) -> int:
+  """Bytes of memory `device` has (its `memory_stats()` limit), or 0 where unknown (CPU)."""
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  # Backends without memory stats.
+    return 0
+  return int(stats.get("bytes_limit", 0))
