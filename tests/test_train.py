@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -19,12 +21,23 @@ TRAIN = os.path.join(REPO, "train.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
 
-def run_train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+def train_env(**extra: str) -> dict[str, str]:
+  return dict(os.environ, JAX_PLATFORMS="cpu",
+              XLA_FLAGS="--xla_force_host_platform_device_count=8", **extra)
+
+
+def run_train(*args: str, timeout: float = 180,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   """Runs train.py on 8 fake CPU devices; the timeout turns a hung collective into a failure."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  return subprocess.run([sys.executable, TRAIN, *args], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run([sys.executable, TRAIN, *args], cwd=REPO, env=env or train_env(),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(*args: str, env: dict[str, str], prefix: tuple[str, ...] = (TRAIN,)
+                ) -> subprocess.Popen:
+  """Starts train.py (or `python *prefix`) in the background; the caller bounds it."""
+  return subprocess.Popen([sys.executable, *prefix, *args], cwd=REPO, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def test_train_stage3_loss_falls(tmp_path):
@@ -170,25 +183,158 @@ def test_train_runs_on_one_device(tmp_path):
   assert header["devices"] == 1
 
 
-def test_stop_and_resume_gives_the_same_losses(tmp_path):
-  """10 steps, stop, 10 more from the checkpoint == 20 steps straight (constant lr)."""
-  common = ("--config", TINY, "--config.optimizer.schedule=constant",
-            "--config.optimizer.warmup_steps=0", "--config.train.log_every=1",
-            "--config.train.eval_every=0", "--config.train.eval_batches=1")
+def compile_cache(path) -> dict[str, str]:
+  """Env for JAX's persistent compilation cache in `path`: the runs of one test compile
+  the same programs, and compiling is most of a tiny run's time. It only skips
+  recompiling; what the programs compute is unchanged."""
+  return dict(JAX_COMPILATION_CACHE_DIR=str(path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-  def losses(workdir):
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
+def step_records(workdir) -> list[dict]:
+  """The per-step metrics of metrics.jsonl (appended to by every run in the workdir)."""
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  return [r for r in records if "loss" in r]
+
+
+def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
+  """{leaf path: array} of a checkpoint's whole train state, read from disk by orbax."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = os.path.join(step_dir, "state")
+  with ocp.PyTreeCheckpointer() as reader:
+    tree = reader.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    state = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,mesh", [(1, "--config.mesh.data=2"), (3, "--config.mesh.fsdp=8")])
+def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
+  """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
+
+  Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
+  schedule resumes too) and bit-identical checkpoints of the whole state (params, Adam
+  moments, Kahan buffers, step, rng, loss scale), read back from disk.
+  """
+  k = 10
+  common = ("--config", TINY, f"--config.zero.stage={stage}", mesh,
+            f"--config.train.steps={2 * k}", "--config.optimizer.warmup_steps=4",
+            "--config.train.log_every=1", "--config.train.eval_every=0",
+            "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4")
+  env = train_env(**compile_cache(tmp_path / "jax_cache"))
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  assert run_train(*common, "--config.train.steps=20", f"--workdir={straight}").returncode == 0
-  first = run_train(*common, "--config.train.steps=10", f"--workdir={resumed}")
+  first = run_train(*common, f"--workdir={straight}", env=env)
   assert first.returncode == 0, first.stderr[-2000:]
-  second = run_train(*common, "--config.train.steps=20", f"--workdir={resumed}")
-  assert second.returncode == 0, second.stderr[-2000:]
-  assert "resumed from" in second.stdout
-  a, b = losses(straight), losses(resumed)
-  assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
-  # A different model shape in the same workdir is refused before anything compiles.
-  clash = run_train(*common, "--config.model.d_model=64", f"--workdir={resumed}")
-  assert clash.returncode == 2 and "d_model" in clash.stderr and "Traceback" not in clash.stderr
+  # --stop_after: what train.py does on SIGTERM after that step (save, exit 0), but at a
+  # known step; train.steps, and so the schedule, stay those of the straight run.
+  stopped = run_train(*common, f"--stop_after={k}", f"--workdir={resumed}", env=env)
+  assert stopped.returncode == 0, stopped.stderr[-2000:]
+  assert f"stopped by --stop_after after step {k}: saved" in stopped.stdout
+  assert [r["step"] for r in step_records(resumed)] == list(range(1, k + 1))
+  again = run_train(*common, f"--workdir={resumed}", env=env)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"resumed from {resumed}/checkpoints/{k}\n" in again.stdout
+
+  timing = ("tokens_per_s", "eta_s")
+  a, b = ([{x: v for x, v in r.items() if x not in timing} for r in step_records(w)]
+          for w in (straight, resumed))
+  assert [r["step"] for r in b] == list(range(1, 2 * k + 1))  # No step twice, none lost.
+  assert a == b
+  lr = [r["learning_rate"] for r in b]  # Up for 4 steps, then down: resumed mid-cosine.
+  assert lr[:5] == sorted(lr[:5]) and lr[4:] == sorted(lr[4:], reverse=True) and lr[-1] < lr[4]
+  # Checkpoints of both workdirs (every 4 steps, keep 3; the stopped run added step k).
+  dirs = [w / "checkpoints" for w in (straight, resumed)]
+  assert sorted(os.listdir(dirs[0]), key=int) == sorted(os.listdir(dirs[1]), key=int) == [
+      "12", "16", "20"]
+  for step in ("12", "16", "20"):
+    x, y = checkpoint_leaves(dirs[0] / step), checkpoint_leaves(dirs[1] / step)
+    assert x.keys() == y.keys()
+    differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
+    assert not differ, f"step {step}: {differ}"
+  assert int(x["['step']"]) == 2 * k and x["['rng']"].shape == (2,)
+  assert any("compensation" in p for p in x) and any("['loss_scale']" in p for p in x)
+  assert any("['mu']" in p for p in x) and any("['nu']" in p for p in x)
+  if stage == 3:
+    # A different model shape in the same workdir is refused before anything compiles.
+    clash = run_train(*common, "--config.model.d_model=64", f"--workdir={resumed}", env=env)
+    assert clash.returncode == 2 and "d_model" in clash.stderr
+    assert "Traceback" not in clash.stderr
+
+
+# Run as `python -c STALLED_TRAIN train.py ARGS`: train.py, except that the save of step
+# $STALL_STEP stalls after $STALL_AFTER arrays (the rest wait forever), with a marker file
+# once it does. Saves write ~0.3 GB/s here: a state big enough for a kill to land
+# mid-write by timing alone (63M params, 0.5 GB) trained at ~25 s per step on this
+# shared 2-core machine, and the kill would still only probably land mid-save. The
+# stall makes it certain. Nothing else changes: orbax writes its temporary directory and
+# the first arrays (about 1 MB of 3.4 MB) as usual, train.py trains on, and the commit
+# (the last files, then the rename) never happens, as in a process killed mid-write.
+STALLED_TRAIN = """
+import asyncio, os, runpy, sys
+from orbax.checkpoint._src.serialization import serialization
+write, step = serialization.async_serialize_from_host, os.environ["STALL_STEP"]
+started = []
+async def stalled(value, spec, **kwargs):
+  if f"/{step}.orbax-checkpoint-tmp" in str(spec):
+    if len(started) == int(os.environ["STALL_AFTER"]):
+      open(os.environ["STALL_MARKER"], "w").close()
+    started.append(spec)
+    if len(started) > int(os.environ["STALL_AFTER"]):
+      await asyncio.sleep(3600)
+  return await write(value, spec, **kwargs)
+serialization.async_serialize_from_host = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def checkpoint_files(directory) -> dict[str, bytes]:
+  return {os.path.relpath(os.path.join(d, f), directory): open(os.path.join(d, f), "rb").read()
+          for d, _, files in os.walk(directory) for f in files}
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
+  """SIGKILL while the async save of step 2 is in flight; the restart resumes from 1."""
+  common = ("--config", TINY, "--config.train.steps=4", "--config.optimizer.warmup_steps=1",
+            "--config.train.log_every=1", "--config.train.eval_every=0",
+            "--config.train.eval_batches=1", "--config.checkpoint.every_steps=1",
+            "--config.checkpoint.keep=0", f"--workdir={tmp_path}")
+  ckpts, marker = tmp_path / "checkpoints", tmp_path / "stalled"
+  env = train_env(**compile_cache(tmp_path / "jax_cache"), STALL_STEP="2", STALL_AFTER="8",
+                  STALL_MARKER=str(marker))
+  child = start_train(*common, env=env, prefix=("-c", STALLED_TRAIN, TRAIN))
+  try:
+    deadline = time.monotonic() + 180
+    while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.01)
+    if not marker.exists():
+      child.kill()
+      pytest.fail(f"the save of step 2 never started:\n{child.communicate()[1][-3000:]}")
+    at_kill = sorted(os.listdir(ckpts))
+    step_1 = checkpoint_files(ckpts / "1")
+    child.send_signal(signal.SIGKILL)
+    out, err = child.communicate(timeout=60)
+  finally:
+    child.kill()
+  assert child.returncode == -signal.SIGKILL, err[-2000:]
+  # Mid-save: step 1 committed, step 2 only a temporary directory, and so after the kill.
+  assert at_kill == sorted(os.listdir(ckpts)) == ["1", "2.orbax-checkpoint-tmp"], at_kill
+  assert "step      2/4" in out  # Step 2 was trained (and logged) before its save began.
+
+  again = run_train(*common, env=train_env(**compile_cache(tmp_path / "jax_cache")))
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"resumed from {ckpts}/1\n" in again.stdout  # Verified: checksums match.
+  assert "damaged" not in again.stdout + again.stderr
+  assert sorted(os.listdir(ckpts)) == ["1", "2", "3", "4"]  # The temporary one removed.
+  assert checkpoint_files(ckpts / "1") == step_1  # Read, never written.
+  # The resumed steps repeat the killed run's steps exactly (it trained on past step 2
+  # while the save hung).
+  records = step_records(tmp_path)
+  resumed_at = next(i for i, r in enumerate(records) if r["step"] == 2 and i > 1)
+  killed, resumed = records[:resumed_at], records[resumed_at:]
+  assert [r["step"] for r in resumed] == [2, 3, 4]
+  assert [r["step"] for r in killed][:2] == [1, 2]
+  for a, b in zip(killed[1:], resumed):
+    assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])
