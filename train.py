@@ -34,6 +34,7 @@ if __name__ == "__main__":
 
 # pylint: disable=wrong-import-position
 import argparse
+import contextlib
 import json
 import time
 
@@ -59,7 +60,7 @@ def compiled_memory(step, state, batch) -> dict[str, int]:
 
 
 @exit_on_config_error
-def main(argv: list[str]) -> int:
+def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
   parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
   parser.add_argument("--dry_run", action="store_true",
@@ -92,10 +93,11 @@ def main(argv: list[str]) -> int:
   ckpt, run_meta = None, {"config": config.to_dict()}
   if c.workdir:
     k = c.checkpoint
-    ckpt = checkpoint.Checkpointer(
+    # Closed on every way out (an error too): saves in flight finish, orbax's threads stop.
+    ckpt = cleanup.enter_context(checkpoint.Checkpointer(
         os.path.join(c.workdir, "checkpoints"), save_every_steps=k.every_steps,
         save_every_minutes=k.every_minutes, keep=k.keep, keep_every=k.keep_every,
-        async_save=k.async_save, log=report)
+        async_save=k.async_save, log=report))
     ckpt.check_config(config)
 
   # Every data mistake surfaces here too, before the model is built or compiled.
@@ -232,7 +234,8 @@ def main(argv: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
   try:
-    return main(argv)
+    with contextlib.ExitStack() as cleanup:
+      return main(argv, cleanup)
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return 3

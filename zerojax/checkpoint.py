@@ -251,6 +251,10 @@ class Checkpointer:
         preservation_policy=_policies.AnyPreservationPolicy(keep_policy),
         enable_async_checkpointing=async_save, create=True,
         cleanup_tmp_directories=True))  # What a killed save left behind.
+    # orbax removes those in a background thread that dies with a traceback if the
+    # process exits first (say, on a data error right after this); it takes one listing.
+    getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+    self._closed = False
 
   def all_steps(self) -> list[int]:
     """The steps of the committed checkpoints, oldest first."""
@@ -390,9 +394,11 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    """Waits for the saves in flight, then releases the manager's threads."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the saves in flight, then releases the manager's threads (once)."""
+    if not self._closed:
+      self._closed = True
+      self._manager.wait_until_finished()
+      self._manager.close()
 
   def __enter__(self) -> Checkpointer:
     return self
