@@ -5,6 +5,8 @@
     python benchmarks/precision.py --only stall    # part 1 only, ~15 seconds
     python benchmarks/precision.py --only quality --lr 1e-3   # a lower peak rate
     python benchmarks/precision.py --only quality --llama     # tiny.py's Llama, ~8 min
+    python benchmarks/precision.py --only quality --llama --recipes five   # issue 7's five
+    python benchmarks/precision.py --replot        # every saved quality table and plot again
 
 1. **Stall**: 4096 bf16 weights (|w| log-uniform in [0.02, 1], random signs), lr 1e-5,
    the same stream of small gradients for every run, 3000 jitted steps of AdamW and of
@@ -18,7 +20,10 @@
 
 Prints markdown tables; writes benchmarks/results/precision.json (one entry per part
 and quality variant, others kept) and the plots precision_stall.png and
-precision_quality[_llama][_lr...].png there. Needs matplotlib.
+precision_quality[_llama][_lr...].png there. A quality run with issue 7's five recipes
+(fp32, bf16 + fp32 master, bf16 + Kahan, bf16 + stochastic rounding, plain bf16) also
+prints their table with the goal (final held-out loss within 1% of fp32's) and plots
+their loss curves, precision_quality[...]_curves.png. Needs matplotlib.
 """
 
 import argparse
@@ -172,6 +177,15 @@ QUALITY_RECIPES = {  # Overrides after MLP's or LLAMA's.
     "bf16 + stochastic, bf16 state": BF16_RUN + _opt("stochastic", "bfloat16"),
     "bf16 + nearest, bf16 state": BF16_RUN + _opt("nearest", "bfloat16")}
 EVAL_EVERY = 25
+# Issue 7's quality table: five recipes (its names -> QUALITY_RECIPES keys). Goal: the
+# final held-out loss within 1% of fp32's for the recipes meant to match fp32; plain
+# bf16 (round to nearest) is the contrast and has none.
+FIVE = {"fp32": "fp32",
+        "bf16 + fp32 master": "bf16 + master, fp32 state",
+        "bf16 + Kahan (bf16 state)": "bf16 + kahan, bf16 state",
+        "bf16 + stochastic rounding": "bf16 + stochastic, bf16 state",
+        "plain bf16 (round to nearest)": "bf16 + nearest, bf16 state"}
+QUALITY_GOAL = 1.01
 
 
 def train(path, overrides, batches, eval_set):
@@ -212,7 +226,7 @@ def train(path, overrides, batches, eval_set):
               final_eval=curve[-1][1], final_train=float(np.mean(losses[-20:])))
 
 
-def quality(seeds, path, extra):
+def quality(seeds, path, extra, recipes=tuple(QUALITY_RECIPES)):
   """{recipe: [run per seed]}; seed s sets init, data order and rounding noise."""
   c = load_config(path, extra)
   t, out = c.train, {}
@@ -222,7 +236,8 @@ def quality(seeds, path, extra):
   for seed in range(seeds):
     batches = [data.batch_at(train_tokens, i, t.global_batch_size, t.seq_len, seed)
                for i in range(t.steps)]
-    for name, overrides in QUALITY_RECIPES.items():
+    for name in recipes:
+      overrides = QUALITY_RECIPES[name]
       start = time.perf_counter()
       run = train(path, extra + overrides + [f"seed={seed}"], batches, eval_set)
       out.setdefault(name, []).append(run)
@@ -260,6 +275,49 @@ def report_quality(res, note="", tag=""):
   return dict(seeds=n, runs=res)
 
 
+def report_goal(res, note="", tag=""):
+  """Issue 7's five-row table (goal beside each) and the loss curves, if `res` has them."""
+  if not all(k in res for k in FIVE.values()):
+    return None
+  ref, n = res["fp32"], len(res["fp32"])
+  final = lambda runs: np.array([r["final_eval"] for r in runs])
+  rows, out = [], {}
+  for label, key in FIVE.items():
+    loss, ratio = final(res[key]), final(res[key]) / final(ref)
+    goal = None if key in ("fp32", "bf16 + nearest, bf16 state") else QUALITY_GOAL
+    met = None if goal is None else bool(ratio.mean() <= goal)
+    out[label] = dict(recipe=key, final_eval=loss.tolist(), ratio=ratio.tolist(), goal=goal,
+                      met=met)
+    spread = lambda x: f"{x.mean():.4f}" + (f" ± {x.std(ddof=1):.4f}" if n > 1 else "")
+    rows.append([label, spread(loss), " / ".join(f"{x:.3f}" for x in loss), spread(ratio),
+                 "reference" if key == "fp32" else "— (contrast)" if goal is None
+                 else f"≤ {goal:.2f}", "—" if met is None else "met" if met else "**missed**"])
+  table(f"Quality{note}: final held-out loss after {len(ref[0]['train_loss'])} steps"
+        + (f" ({n} seeds)" if n > 1 else ""),
+        ["recipe", "final held-out loss" + (" (mean ± std)" if n > 1 else ""),
+         "per seed", "/ fp32's (per seed, mean ± std)" if n > 1 else "/ fp32's", "goal",
+         "met"], rows)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for i, (label, key) in enumerate(FIVE.items()):
+    runs = res[key]
+    steps = [s for s, _ in runs[0]["eval_curve"]]
+    ev = np.array([[x for _, x in r["eval_curve"]] for r in runs])
+    axes[0].plot(steps, ev.mean(0), marker="o", ms=3, color=f"C{i}", label=label)
+    if n > 1:
+      axes[0].fill_between(steps, ev.min(0), ev.max(0), color=f"C{i}", alpha=0.12)
+    tr = np.array([np.convolve(r["train_loss"], np.ones(20) / 20, mode="valid") for r in runs])
+    axes[1].plot(np.arange(20, tr.shape[1] + 20), tr.mean(0), lw=1, color=f"C{i}", label=label)
+  for ax, what in zip(axes, ("held-out loss", "train loss (mean of 20 steps)")):
+    ax.set(xlabel="step", ylabel="loss (nats per token)", yscale="log",
+           title=what + (f", mean over {n} seeds" + (" (band: min-max)" if ax is axes[0] else "")
+                         if n > 1 else ""))
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"Tiny model{note}: loss curves of the five precision recipes")
+  fig.tight_layout()
+  fig.savefig(os.path.join(RESULTS, f"precision_quality{tag}_curves.png"), dpi=110)
+  return out
+
+
 def table(title, headers, rows):
   print(f"\n### {title}\n\n| " + " | ".join(headers) + " |\n|" + " --- |" * len(headers))
   for r in rows:
@@ -274,10 +332,33 @@ def main():
   ap.add_argument("--seeds", type=int, default=1, help="quality: seeds 0..n-1 per recipe")
   ap.add_argument("--lr", type=float, help="quality: peak learning rate (MLP: 1e-2)")
   ap.add_argument("--llama", action="store_true", help="quality: configs/tiny.py's Llama")
+  ap.add_argument("--recipes", default="", help=(
+      "quality: 'five' (issue 7's five recipes) or a comma list of recipe names; default all. "
+      "A subset is saved as its own entry (key suffix _five or _subset)"))
+  ap.add_argument("--replot", action="store_true", help=(
+      "quality: print the tables and redraw the plots of every saved quality entry"))
   args = ap.parse_args()
   os.makedirs(RESULTS, exist_ok=True)
   path = os.path.join(RESULTS, "precision.json")
   results = json.load(open(path)) if os.path.exists(path) else {}  # Keeps other entries.
+  if args.replot:
+    for key, entry in results.items():
+      if key.startswith("quality") and isinstance(entry, dict) and "runs" in entry:
+        tag = key[len("quality"):]
+        lr = re.search(r"_lr([^_]+)", tag)
+        note = (", tiny.py Llama" if "_llama" in tag else ", MLP") + (
+            f", peak lr {lr.group(1)}" if lr else "")
+        report_quality(entry["runs"], note, tag)
+        if (goal := report_goal(entry["runs"], note, tag)) is not None:
+          entry["goal"] = goal
+  else:
+    run_parts(args, results)
+  with open(path, "w") as f:  # One line per list of numbers.
+    f.write(re.sub(r"\n\s+(?=[-\d\]])", " ", json.dumps(results, indent=1)) + "\n")
+
+
+def run_parts(args, results):
+  """Runs the parts `args` select, adding their entries to `results`."""
   results["jax"] = jax.__version__
   if args.only != "quality":
     results["stall"] = dict(stream=args.stream, **report_stall(stall(args.stream), args.stream))
@@ -285,13 +366,23 @@ def main():
     name, extra = LLAMA if args.llama else MLP
     extra = extra + ([f"optimizer.learning_rate={args.lr}"] if args.lr else [])
     # Each variant has its own table, plot and JSON entry.
-    tag = ("_llama" if args.llama else "") + (f"_lr{args.lr:g}" if args.lr else "")
+    recipes = (list(FIVE.values()) if args.recipes == "five" else
+               [r.strip() for r in args.recipes.split(",")] if args.recipes else
+               list(QUALITY_RECIPES))
+    if unknown := [r for r in recipes if r not in QUALITY_RECIPES]:
+      raise SystemExit(f"unknown recipes {unknown}; known: {list(QUALITY_RECIPES)}")
+    if "fp32" not in recipes:
+      recipes.insert(0, "fp32")  # Every ratio is taken against it.
+    tag = ("_llama" if args.llama else "") + (f"_lr{args.lr:g}" if args.lr else "") + (
+        "" if len(recipes) == len(QUALITY_RECIPES) else
+        "_five" if recipes == list(FIVE.values()) else "_subset")
     note = (", tiny.py Llama" if args.llama else ", MLP") + (
         f", peak lr {args.lr:g}" if args.lr else "")
-    results["quality" + tag] = dict(config=name, overrides=extra, **report_quality(
-        quality(args.seeds, CONFIG(name), extra), note, tag))
-  with open(path, "w") as f:  # One line per list of numbers.
-    f.write(re.sub(r"\n\s+(?=[-\d\]])", " ", json.dumps(results, indent=1)) + "\n")
+    runs = quality(args.seeds, CONFIG(name), extra, recipes)
+    results["quality" + tag] = dict(config=name, overrides=extra, recipes=recipes,
+                                    **report_quality(runs, note, tag))
+    if (goal := report_goal(runs, note, tag)) is not None:
+      results["quality" + tag]["goal"] = goal
 
 
 if __name__ == "__main__":

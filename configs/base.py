@@ -92,7 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_original_context = 8192  # llama: Llama 3.1 scaling, original max positions.
   c.model.norm_eps = 1e-5  # llama: RMSNorm epsilon.
   c.model.tie_embeddings = False  # llama: output head shares the embedding matrix.
-  c.model.attention = "blocked"  # llama: blocked (query blocks, recomputed) | dot_product (cuDNN on GPU).
+  c.model.attention = "auto"  # llama: auto (dot_product on GPU in bf16/fp16, else blocked) | blocked (query blocks, recomputed) | dot_product (cuDNN on GPU).
   c.model.attention_block = 512  # llama: query positions per attention block.
   c.model.loss_chunk = 1024  # llama: sequence positions per loss chunk (fp32 logits).
   c.model.context = 8  # mlp_lm: previous tokens each position mixes in.

@@ -244,3 +244,11 @@ def test_param_count_tied_and_config_errors():
   with pytest.raises(ValueError, match="rope_scaling"):
     dataclasses.replace(SMALL, rope_scaling={"factor": 8.0})
   hash(SMALL)  # Usable as a static argument / Flax attribute.
+
+
+def test_auto_attention_picks_cudnn_only_on_gpu_in_16_bit():
+  from zerojax.models.llama import attention_kernel
+  assert attention_kernel("auto", jnp.bfloat16) == "blocked"  # This machine: CPU.
+  assert attention_kernel("auto", jnp.bfloat16, backend="gpu") == "dot_product"
+  assert attention_kernel("auto", jnp.float32, backend="gpu") == "blocked"
+  assert attention_kernel("dot_product", jnp.float32) == "dot_product"

@@ -49,7 +49,7 @@ _ENUMS: dict[str, tuple[Any, ...]] = {
     "optimizer.state_dtype": _DTYPES,
     "optimizer.update_rule": ("nearest", "kahan", "stochastic", "master"),
     "zero.stage": (0, 1, 2, 3), "optimizer.name": ("adamw", "lion", "sgd"),
-    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("llama", "mlp_lm"), "model.attention": ("blocked", "dot_product"), "model.remat": ("none", "full", "dots"),
+    "optimizer.schedule": ("constant", "cosine", "linear"), "model.name": ("llama", "mlp_lm"), "model.attention": ("auto", "blocked", "dot_product"), "model.remat": ("none", "full", "dots"),
     "data.name": ("stdlib", "tokens", "text"), "data.dtype": ("uint16", "uint32"),
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat": "bfloat16", "fp32": "float32", "f32": "float32",

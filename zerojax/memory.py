@@ -44,6 +44,7 @@ import math
 import re
 import sys
 
+from zerojax.models.llama import attention_kernel
 from zerojax.zero import _shard_dim
 
 GiB = 2 ** 30
@@ -250,7 +251,11 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   if s.remat == "none" and stage >= 3:
     saved += pb * counts.layers  # Every layer's gathered weights, kept for the backward.
   # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
-  S = T if s.attention == "dot_product" else min(s.attention_block, T)
+  # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
+  # picks on a GPU) keeps a block's worth, like the blocked loop.
+  kernel = attention_kernel(s.attention, s.compute_dtype)
+  fused = kernel == "dot_product" and attention_kernel("auto", s.compute_dtype) == kernel
+  S = T if kernel == "dot_product" and not fused else min(s.attention_block, T)
   attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
   if s.model == "mlp_lm":
     attention = 0

@@ -52,7 +52,7 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-ATTENTION = ("blocked", "dot_product")
+ATTENTION = ("auto", "blocked", "dot_product")
 ROPE_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings"}
 INIT_STD = 0.02  # Hugging Face's initializer_range.
@@ -79,7 +79,8 @@ class LlamaConfig:
       loss are fp32 whatever this is).
     attention: 'blocked' (query blocks in a loop, each recomputed in the backward
       pass; portable) or 'dot_product' (`jax.nn.dot_product_attention`: cuDNN flash
-      attention on GPU in bf16/fp16; XLA otherwise, which materialises the scores).
+      attention on GPU in bf16/fp16; XLA otherwise, which materialises the scores);
+      'auto' is whichever `attention_kernel` picks for the backend.
     attention_block: query positions per block for 'blocked'.
     loss_chunk: sequence positions per chunk of the head + loss.
     remat: per-layer rematerialization, a key of `REMAT_POLICIES`: 'none', 'full'
@@ -97,7 +98,7 @@ class LlamaConfig:
   tie_embeddings: bool = False
   param_dtype: Any = jnp.bfloat16
   compute_dtype: Any = jnp.bfloat16
-  attention: str = "blocked"
+  attention: str = "auto"
   attention_block: int = 512
   loss_chunk: int = 1024
   remat: str = "full"
@@ -240,6 +241,16 @@ _attend_blocks = jax.custom_vjp(lambda q, k, v: _attend_blocks_fwd(q, k, v)[0])
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
+def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> str:
+  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 (2-4x the
+  blocked loop's MFU on an H200, benchmarks/README.md), else the blocked loop (XLA's
+  dot_product materialises the T x T scores). Other names pass through."""
+  if attention != "auto":
+    return attention
+  gpu = (backend or jax.default_backend()) == "gpu"
+  return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
+
+
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
   """Causal grouped-query attention, one block of queries at a time.
 
@@ -294,7 +305,7 @@ class Attention(nn.Module):
     k = _dense(c, K * Dh, ("embed", "kv_heads"), "k_proj")(x).reshape(B, T, K, Dh)
     v = _dense(c, K * Dh, ("embed", "kv_heads"), "v_proj")(x).reshape(B, T, K, Dh)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if c.attention == "dot_product":
+    if attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
       cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
       out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5,

@@ -1,0 +1,481 @@
+"""One-GPU benchmark: MFU, the optimizer update's memory bandwidth, memory vs the planner.
+
+    bash benchmarks/gpu.sh                 # one H200: under 8 minutes -> results/gpu.json
+    bash benchmarks/gpu.sh --cpu           # tiny shapes on CPU (a smoke test) -> results/gpu_cpu.json
+    python benchmarks/gpu.py --cpu --configs 1b --remat full --steps 1   # the test's run
+
+Three measurements, each in its own subprocess (a fresh device: memory peaks are per
+measurement, an out-of-memory or a hang costs one row, not the run):
+
+1. **bandwidth**: a jitted, donated update of zerojax's bf16 Kahan AdamW (bf16 moments,
+   bf16 compensation buffer, fp32 gradients as the ZeRO step hands them over) on a large
+   param tree. Bytes per step = reads of params, grads, mu, nu and the Kahan buffer +
+   writes of params, mu, nu and the buffer (20 B/param); achieved bytes/s against the
+   device's peak (H200: 4.8 TB/s HBM3e). The same process measures the CPU's reference
+   peaks in `--cpu` mode (no datasheet: a bf16 matmul and an elementwise stream).
+2. **MFU** of `configs/1b_bf16.py` and `configs/8b_bf16.py` at ZeRO stage 3 with each
+   remat policy (full, dots, none): built with `zerojax.build.build` as train.py builds
+   it, random tokens, `--steps` timed steps after a warm-up step. MFU = the model's
+   `flops_per_token` x tokens/s / (peak FLOP/s x devices) (`zerojax.metrics.peak_flops`:
+   H200 989 TFLOP/s dense bf16; in `--cpu` mode the measured matmul rate).
+3. **memory** of each of those steps per device: compiled (arguments + outputs - aliased +
+   temporaries, and XLA's peak), the device's `peak_bytes_in_use` after the steps (on CPU:
+   the process's max RSS, which includes the runtime), and the memory planner's estimate
+   (`zerojax.memory.estimate(config, devices).total`). A variant whose compiled memory
+   exceeds the device is reported as not fitting without being run.
+
+The run stops starting new measurements when `--budget` seconds are spent; results are
+written after every measurement, so a run cut short keeps what it measured.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+CONFIGS = {"1b": "configs/1b_bf16.py", "8b": "configs/8b_bf16.py"}
+REMATS = ("full", "dots", "none")
+# Peak memory bandwidth per device (vendor datasheets, bytes/s); MFU's peak FLOP/s is
+# zerojax.metrics.PEAK_FLOPS.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+# Tiny shapes for --cpu: the configs' structure (tied embeddings, GQA, RoPE scaling),
+# a few hundred thousand params.
+CPU_SHAPES = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
+              "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+              "model.attention_block=64", "model.loss_chunk=64", "train.seq_len=64",
+              "train.global_batch_size=2"]
+# Sequences per step on one GPU: the configs' 8 x 4096 for 1B; 4 for 8B, whose Kahan
+# AdamW state (8 B/param) and fp32 gradients (4 B/param) already take ~96 GB.
+GPU_BATCH = {"1b": 8, "8b": 4}
+# Goals proposed here (the issue sets none for these): the update streams at >= 80% of
+# the memory bandwidth; the planner is within 10% of the compiled per-device memory.
+BANDWIDTH_GOAL, PLANNER_GOAL = 0.8, 0.10
+GIB = 2 ** 30
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--cpu", action="store_true",
+                  help="tiny shapes on CPU (default when no GPU is found)")
+  ap.add_argument("--configs", default="1b,8b", help="comma list of " + ", ".join(CONFIGS))
+  ap.add_argument("--remat", default=",".join(REMATS), help="comma list of " + ", ".join(REMATS))
+  ap.add_argument("--steps", type=int, default=0, help="timed steps (default GPU 4, CPU 2)")
+  ap.add_argument("--batch", type=int, default=0, help="sequences per step (default per config)")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="a config override for every MFU run, e.g. model.attention=dot_product")
+  ap.add_argument("--budget", type=float, default=0,
+                  help="seconds after which no new measurement starts (default GPU 420, CPU 240)")
+  ap.add_argument("--no-bandwidth", action="store_true", help="skip the update bandwidth")
+  ap.add_argument("--out", default="", help="JSON path (default results/gpu[_cpu].json)")
+  ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if not args.cpu and not args.child and shutil.which("nvidia-smi") is None:
+    print("no nvidia-smi on PATH: running the CPU smoke test (--cpu)", flush=True)
+    args.cpu = True
+  args.steps = args.steps or (2 if args.cpu else 4)
+  args.budget = args.budget or (240 if args.cpu else 420)
+  args.out = args.out or os.path.join(RESULTS, "gpu_cpu.json" if args.cpu else "gpu.json")
+  return args
+
+
+# --- Children: one measurement each, a JSON line on stdout -------------------------------
+
+
+def _device_info():
+  import jax  # pylint: disable=import-outside-toplevel
+  from zerojax import metrics  # pylint: disable=import-outside-toplevel
+  d = jax.devices()[0]
+  stats = d.memory_stats() or {}
+  kind = getattr(d, "device_kind", "")
+  return dict(platform=d.platform, device_kind=kind, devices=jax.device_count(),
+              jax=jax.__version__, bytes_limit=stats.get("bytes_limit"),
+              peak_flops=metrics.peak_flops(d) or None,
+              peak_bandwidth=next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None))
+
+
+def _time(fn, warmup, iters):
+  """Median seconds of `fn()` (each call waited for) after `warmup` calls."""
+  import jax  # pylint: disable=import-outside-toplevel
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def child_bandwidth(cpu: bool) -> dict:
+  """The Kahan AdamW update's achieved bandwidth (and, on CPU, reference peaks)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  from zerojax import optim  # pylint: disable=import-outside-toplevel
+
+  info = _device_info()
+  # GPU: 8 leaves of 8192 x 16384 = 1.07e9 params (~21 GB with the state and grads);
+  # CPU: 4 x 1024 x 2048 = 8.4e6 params (168 MB moved per update), past the caches.
+  leaves, shape = (4, (1024, 2048)) if cpu else (8, (8192, 16384))
+  tx = optim.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1, state_dtype=jnp.bfloat16,
+                   update_rule="kahan")
+  keys = jax.random.split(jax.random.key(0), 2 * leaves)
+  params = {f"w{i}": (0.02 * jax.random.normal(keys[i], shape)).astype(jnp.bfloat16)
+            for i in range(leaves)}
+  grads = {f"w{i}": 1e-3 * jax.random.normal(keys[leaves + i], shape, jnp.float32)
+           for i in range(leaves)}
+  opt_state = tx.init(params)
+
+  def update(params, opt_state, grads):
+    u, new = tx.update(grads, opt_state, params)
+    new = jax.tree.map(lambda n, o: n.astype(o.dtype), new, opt_state)  # As step.py.
+    return optax.apply_updates(params, u), new
+
+  step = jax.jit(update, donate_argnums=(0, 1))
+  compiled = step.lower(params, opt_state, grads).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  state = [params, opt_state]
+
+  def run():
+    state[0], state[1] = compiled(state[0], state[1], grads)
+    return state
+
+  secs = _time(run, warmup=2, iters=5 if cpu else 20)
+  nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))
+  # Mirrored state leaves (mu, nu, compensation) are read and written; scalars ignored.
+  state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state[1]) if x.ndim)
+  moved = 2 * nbytes(state[0]) + nbytes(grads) + 2 * state_bytes
+  n = sum(x.size for x in jax.tree.leaves(state[0]))
+  out = dict(info=info, optimizer="zerojax.optim.adamw(state_dtype=bf16, update_rule='kahan')",
+             params=n, leaves=leaves, shape=list(shape), seconds=secs, bytes=moved,
+             bytes_per_param=moved / n, bytes_per_s=moved / secs,
+             xla_bytes_accessed=(cost or {}).get("bytes accessed"))
+  if cpu:  # No datasheet: the rates this CPU reaches on a matmul and a stream.
+    a = jnp.ones((1024, 1024), jnp.bfloat16)
+    matmul = jax.jit(lambda x: x @ x)
+    out["measured_matmul_flops"] = 2 * 1024 ** 3 / _time(lambda: matmul(a), 2, 5)
+    # In place (donated, as the update is), past the caches: 256 MB read + 256 MB written.
+    stream = jax.jit(lambda x: x * 1.0001 + 1.0, donate_argnums=0)
+    xs = [jnp.ones((64 * 2 ** 20,), jnp.float32)]
+
+    def scale():
+      xs[0] = stream(xs[0])
+      return xs[0]
+
+    out["measured_stream_bandwidth"] = 2 * xs[0].nbytes / _time(scale, 2, 5)
+  return out
+
+
+def _planner_estimate(config, devices, out):
+  """Adds zerojax.memory's per-device estimate to `out` (planner_bytes, or a note why not).
+
+  `zerojax.memory.estimate(config, devices)` is arithmetic on the config (no JAX work):
+  its `total` is the per-device peak it predicts (state + the largest phase of the
+  step's temporaries), `conventional_per_device` the ZeRO paper's model state.
+  """
+  try:
+    from zerojax import memory  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    out["planner_note"] = "zerojax.memory does not exist"
+    return
+  try:
+    est = memory.estimate(config, devices, int(out["info"].get("bytes_limit") or 0))
+    out["planner_bytes"] = int(est.total)
+    out["planner"] = dict(total=int(est.total), state=int(est.state),
+                          peak_phase=est.peak_phase, phases=est.phases,
+                          components=est.components,
+                          conventional_per_device=float(est.conventional_per_device),
+                          fits=est.fits if est.device_memory else None)
+  except Exception as e:  # pylint: disable=broad-except
+    out["planner_note"] = f"zerojax.memory.estimate failed: {type(e).__name__}: {e}"[:300]
+
+
+def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
+              extra: list[str], out: dict) -> dict:
+  """Builds the config at stage 3 with `remat`, compiles, checks the fit, times steps.
+
+  Fills `out` as it goes, so a failure (say, out of memory in the first step) still
+  reports the compiled and planned memory.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import zerojax  # pylint: disable=import-outside-toplevel
+  from zerojax import build  # pylint: disable=import-outside-toplevel
+  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
+
+  info = _device_info()
+  overrides = ["zero.stage=3", f"model.remat={remat}"] + (CPU_SHAPES if cpu else [])
+  batch = batch or (0 if cpu else GPU_BATCH[cfg])
+  overrides += ([f"train.global_batch_size={batch}"] if batch else []) + list(extra)
+  config = load_config(os.path.join(ROOT, CONFIGS[cfg]), overrides,
+                       num_devices=jax.device_count())
+  t = config.train
+  out.update(info=info, config=CONFIGS[cfg], remat=remat, stage=3, overrides=overrides,
+             batch=t.global_batch_size, seq_len=t.seq_len)
+  start = time.perf_counter()
+  b = build.build(config)
+  out["params"] = sum(x.size for x in jax.tree.leaves(b.plan.params))
+  out["flops_per_token"] = b.model.flops_per_token(t.seq_len)
+  compiled = b.train_step.lower(b.abstract_state, b.abstract_batch).compile()
+  out["compile_s"] = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  out["compiled"] = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+                         aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                         peak=getattr(m, "peak_memory_in_bytes", None))
+  out["compiled_bytes"] = (m.argument_size_in_bytes + m.output_size_in_bytes
+                           - m.alias_size_in_bytes + m.temp_size_in_bytes)
+  _planner_estimate(config, jax.device_count(), out)
+  limit = info["bytes_limit"]
+  if limit and out["compiled_bytes"] > limit:
+    out["status"] = "does not fit"
+    out["error"] = (f"compiled step needs {out['compiled_bytes'] / GIB:.1f} GiB per device, "
+                    f"the device has {limit / GIB:.1f} GiB")
+    return out
+
+  state = zerojax.init_state(b.plan, b.model.init, b.tx, jax.random.key(config.seed),
+                             b.loss_scaling)
+  tokens = jax.random.randint(jax.random.key(1), (t.global_batch_size, t.seq_len + 1), 0,
+                              config.model.vocab_size, jnp.int32)
+  batch_data = {"tokens": jax.device_put(tokens, b.batch_sharding)}
+  state, metrics = compiled(state, batch_data)  # Warm-up (first-run allocations).
+  loss0 = float(metrics["loss"])
+  jax.block_until_ready(state)
+  start = time.perf_counter()
+  for _ in range(steps):  # Dispatched back to back, as train.py does; waited for at the end.
+    state, metrics = compiled(state, batch_data)
+  jax.block_until_ready((state, metrics))
+  secs = (time.perf_counter() - start) / steps
+  tokens_per_s = t.global_batch_size * t.seq_len / secs
+  stats = jax.devices()[0].memory_stats() or {}
+  out.update(status="ok", steps=steps, step_s=secs, tokens_per_s=tokens_per_s,
+             model_flops_per_s=out["flops_per_token"] * tokens_per_s,
+             loss_first=loss0, loss_last=float(metrics["loss"]),
+             device_peak_bytes=stats.get("peak_bytes_in_use"),
+             device_peak_source="memory_stats peak_bytes_in_use")
+  if out["device_peak_bytes"] is None:  # CPU: no allocator stats; the whole process.
+    out["device_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["device_peak_source"] = "process max RSS (no device memory stats)"
+  return out
+
+
+def run_child(spec: dict) -> None:
+  """Entry point of a child: prints `RESULT <json>` (also on failure) and exits."""
+  out = {}
+  try:
+    if spec["kind"] == "bandwidth":
+      out = child_bandwidth(spec["cpu"])
+    else:
+      child_mfu(spec["config"], spec["remat"], spec["cpu"], spec["steps"], spec["batch"],
+                spec.get("set", []), out)
+  except Exception as e:  # pylint: disable=broad-except
+    text = f"{type(e).__name__}: {e}"
+    out.update(status="oom" if _is_oom(text) else "error", error=text[:2000],
+               traceback=traceback.format_exc()[-3000:])
+  print("RESULT " + json.dumps(out), flush=True)
+
+
+def _is_oom(text: str) -> bool:
+  return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory",
+                                 "OOM"))
+
+
+# --- Parent: schedule, budget, tables --------------------------------------------------
+
+
+def child_env(cpu: bool) -> dict:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
+  if cpu:  # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
+    # (zerojax.build.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
+    env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def spawn(spec: dict, timeout: float, cpu: bool) -> dict:
+  """Runs one measurement in a subprocess; its RESULT, or a status saying what went wrong."""
+  start = time.perf_counter()
+  try:
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                       capture_output=True, text=True, timeout=timeout, env=child_env(cpu),
+                       cwd=ROOT, check=False)
+  except subprocess.TimeoutExpired as e:
+    tail = (e.stderr or b"")[-1500:]
+    return dict(status="timeout", error=f"no result within {timeout:.0f} s",
+                stderr=tail.decode(errors="replace") if isinstance(tail, bytes) else tail,
+                wall_s=time.perf_counter() - start)
+  lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+  if lines:
+    out = json.loads(lines[-1][len("RESULT "):])
+  else:  # Killed (e.g. by the OOM killer) or crashed before it could report.
+    out = dict(status="oom" if _is_oom(p.stderr) else "crashed",
+               error=f"exit status {p.returncode}", stderr=p.stderr[-1500:])
+  out["wall_s"] = time.perf_counter() - start
+  return out
+
+
+def derive(res: dict) -> None:
+  """MFU, bandwidth fraction and planner ratios from the raw child results (in place)."""
+  bw = res.get("bandwidth") or {}
+  info = bw.get("info") or next((r["info"] for r in res["mfu"] if r.get("info")), {})
+  res["device"] = info
+  cpu = res["cpu"]
+  peak_flops = bw.get("measured_matmul_flops") if cpu else info.get("peak_flops")
+  peak_bw = bw.get("measured_stream_bandwidth") if cpu else info.get("peak_bandwidth")
+  res["peaks"] = dict(
+      flops=peak_flops, bandwidth=peak_bw,
+      source="measured on this CPU (bf16 1024^3 matmul; f32 elementwise stream)" if cpu
+      else "datasheet (zerojax.metrics.PEAK_FLOPS, PEAK_BANDWIDTH here)")
+  if bw.get("bytes_per_s") and peak_bw:
+    bw["fraction_of_peak"] = bw["bytes_per_s"] / peak_bw
+    bw["goal"] = BANDWIDTH_GOAL
+    bw["met"] = bw["fraction_of_peak"] >= BANDWIDTH_GOAL
+  for r in res["mfu"]:
+    devices = (r.get("info") or {}).get("devices", 1)
+    if r.get("model_flops_per_s") and peak_flops:
+      r["mfu"] = r["model_flops_per_s"] / (peak_flops * devices)
+    if r.get("planner_bytes"):
+      r["compiled_over_planner"] = r["compiled_bytes"] / r["planner_bytes"]
+      if r.get("device_peak_bytes"):
+        r["device_peak_over_planner"] = r["device_peak_bytes"] / r["planner_bytes"]
+      r["planner_met"] = abs(r["compiled_over_planner"] - 1) <= PLANNER_GOAL
+
+
+def gib(b):
+  return "—" if b is None else f"{b / GIB:.2f}" if b >= 0.01 * GIB else f"{b / 2 ** 20:.1f} MiB"
+
+
+def report(res: dict) -> str:
+  """The markdown tables of a result dict."""
+  lines = []
+  d, pk = res["device"], res["peaks"]
+  fmt = lambda x, unit, scale: "—" if not x else f"{x / scale:,.1f} {unit}"
+  lines.append(f"Device: {d.get('device_kind') or d.get('platform')} x {d.get('devices')}, "
+               f"jax {d.get('jax')}; peak {fmt(pk['flops'], 'TFLOP/s', 1e12)}, "
+               f"{fmt(pk['bandwidth'], 'GB/s', 1e9)} ({pk['source']}).\n")
+  bw = res.get("bandwidth")
+  if bw:
+    lines += ["| update | params | bytes/param | ms/update | achieved GB/s | of peak "
+              "| goal | met | XLA bytes accessed / counted |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if bw.get("bytes_per_s"):
+      frac, xla = bw.get("fraction_of_peak"), bw.get("xla_bytes_accessed")
+      cells = ["bf16 Kahan AdamW, bf16 state, fp32 grads", f"{bw['params'] / 1e6:,.1f}M",
+               f"{bw['bytes_per_param']:.0f}", f"{bw['seconds'] * 1e3:.2f}",
+               f"{bw['bytes_per_s'] / 1e9:,.1f}", "—" if frac is None else f"{frac:.1%}",
+               f"≥ {BANDWIDTH_GOAL:.0%}",
+               "—" if frac is None else ("met" if bw["met"] else "**missed**"),
+               "—" if not xla else f"{xla / bw['bytes']:.2f}"]
+      lines.append("| " + " | ".join(cells) + " |")
+    else:
+      lines.append(f"| bf16 Kahan AdamW | {bw.get('status')}: {bw.get('error', '')[:120]} "
+                   "| | | | | | | |")
+    lines.append("")
+  lines += ["| config | remat | batch x seq | params | status | ms/step | tokens/s | MFU "
+            "| compiled GiB | device peak GiB | planner GiB | compiled / planner |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for r in res["mfu"]:
+    ok = r.get("status") == "ok"
+    ratio, mfu = r.get("compiled_over_planner"), r.get("mfu")
+    cells = [os.path.basename(r.get("config", "?")), r.get("remat", "?"),
+             f"{r['batch']} x {r['seq_len']}" if r.get("batch") else "—",
+             (f"{r['params'] / 1e9:.2f}B" if r["params"] >= 1e9 else f"{r['params'] / 1e6:.2f}M")
+             if r.get("params") else "—",
+             "ok" if ok else f"{r.get('status')}: {str(r.get('error', ''))[:100]}",
+             f"{r['step_s'] * 1e3:,.1f}" if ok else "—",
+             f"{r['tokens_per_s']:,.0f}" if ok else "—",
+             "—" if mfu is None else f"{mfu:.1%}",
+             gib(r.get("compiled_bytes")), gib(r.get("device_peak_bytes")),
+             gib(r.get("planner_bytes")), "—" if ratio is None else f"{ratio:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  notes = {r.get("planner_note") for r in res["mfu"] if r.get("planner_note")}
+  lines += [f"\nplanner: {n}" for n in sorted(notes)]
+  return "\n".join(lines)
+
+
+def _interrupt(*_):
+  raise KeyboardInterrupt
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.child:
+    run_child(json.loads(args.child))
+    return 0
+  # gpu.sh's `timeout` sends SIGTERM: raise instead, so subprocess.run kills the running
+  # child (results so far are on disk) rather than leaving it holding the GPU.
+  signal.signal(signal.SIGTERM, _interrupt)
+  start = time.perf_counter()
+  left = lambda: args.budget - (time.perf_counter() - start)
+  res = dict(cpu=args.cpu, budget_s=args.budget, steps=args.steps, mfu=[], bandwidth=None,
+             goals=dict(bandwidth=f">= {BANDWIDTH_GOAL:.0%} of peak (proposed here)",
+                        planner=f"compiled within {PLANNER_GOAL:.0%} of the estimate "
+                                "(proposed here)"),
+             xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+  def save():
+    res["wall_s"] = time.perf_counter() - start
+    derive(res)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump(res, f, indent=1)
+
+  # Per-measurement time caps (seconds): the 8B compile alone takes about a minute.
+  cap = {"bandwidth": 90, "1b": 150, "8b": 200} if not args.cpu else {
+      "bandwidth": 90, "1b": 120, "8b": 120}
+  if not args.no_bandwidth:
+    print("bandwidth ...", flush=True)
+    res["bandwidth"] = spawn(dict(kind="bandwidth", cpu=args.cpu),
+                             min(cap["bandwidth"], max(left(), 10)), args.cpu)
+    print(f"  {res['bandwidth'].get('status', 'ok')} in {res['bandwidth']['wall_s']:.0f} s",
+          flush=True)
+    save()
+  configs = [c for c in args.configs.split(",") if c]
+  remats = [r for r in args.remat.split(",") if r]
+  # The most informative first: full remat of every config, then the other policies,
+  # smallest config first (8B with 'dots' or 'none' is not expected to fit one GPU).
+  order = ([(c, r) for r in remats[:1] for c in configs]
+           + [(c, r) for c in configs for r in remats[1:]])
+  for cfg, remat in order:
+    name = f"{cfg}/{remat}"
+    if left() < min(30, cap[cfg] / 2):
+      res["mfu"].append(dict(name=name, config=CONFIGS[cfg], remat=remat, status="skipped",
+                             error=f"time budget of {args.budget:.0f} s spent"))
+      continue
+    print(f"{name} ...", flush=True)
+    r = spawn(dict(kind="mfu", config=cfg, remat=remat, cpu=args.cpu, steps=args.steps,
+                   batch=args.batch, set=args.set), min(cap[cfg], left()), args.cpu)
+    r.setdefault("config", CONFIGS[cfg])
+    r.setdefault("remat", remat)
+    r["name"] = name
+    res["mfu"].append(r)
+    print(f"  {r.get('status')} in {r['wall_s']:.0f} s"
+          + (f": {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else
+             f": {str(r.get('error', ''))[:200]}"), flush=True)
+    save()
+  save()
+  print()
+  print(report(res))
+  print(f"\nwrote {os.path.relpath(args.out, ROOT)} in {time.perf_counter() - start:.0f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main())
+  except KeyboardInterrupt:
+    print("gpu.py: stopped (SIGTERM or Ctrl-C); the results measured so far are saved",
+          file=sys.stderr)
+    sys.exit(124)

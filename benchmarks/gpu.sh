@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-GPU benchmark (benchmarks/gpu.py): MFU of configs/1b_bf16.py and configs/8b_bf16.py
+# at ZeRO stage 3 (remat full / dots / none), the bf16 Kahan AdamW update's memory
+# bandwidth against the device's peak, per-device memory against the planner.
+#
+#   bash benchmarks/gpu.sh            # one H200, under 8 minutes -> benchmarks/results/gpu.json
+#   bash benchmarks/gpu.sh --cpu      # tiny shapes on CPU, ~1 minute -> benchmarks/results/gpu_cpu.json
+#   bash benchmarks/gpu.sh --configs 1b --remat full   # any other gpu.py flag passes through
+#
+# Without an NVIDIA GPU (no nvidia-smi) it runs the CPU mode. PYTHON picks the
+# interpreter (default: python3 on PATH); BUDGET the seconds after which no new
+# measurement starts (default 420 on GPU, so the run ends within 8 minutes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+mode=gpu
+for arg in "$@"; do [[ "$arg" == "--cpu" ]] && mode=cpu; done
+if [[ "$mode" == gpu ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "gpu.sh: no nvidia-smi, running the CPU mode" >&2
+  mode=cpu
+  set -- --cpu "$@"
+fi
+
+if [[ "$mode" == gpu ]]; then
+  # Overlap of collectives with compute (multi-GPU; harmless on one), and most of the
+  # GPU's memory for XLA's allocator (the 8B step needs ~100 GB of the H200's 141).
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+  export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
+  budget="${BUDGET:-420}"
+  limit=470   # Hard stop: 7 min 50 s, results so far are already on disk.
+else
+  export JAX_PLATFORMS=cpu
+  budget="${BUDGET:-240}"
+  limit=300
+fi
+exec timeout "$limit" "$PYTHON" benchmarks/gpu.py --budget "$budget" "$@"
