@@ -8,8 +8,9 @@ A step has two halves:
    every cross-device reduction fp32 while the forward pass stays bf16: the cotangent
    of the cast is the upcast gradient, and at stage 3 the gather's backward
    reduce-scatters it in fp32 layer by layer. Stages 2 and 3 reduce-scatter each
-   microbatch's gradient into an fp32 accumulator that is already sharded; stages 0
-   and 1 accumulate locally and all-reduce once.
+   microbatch's gradient into an fp32 accumulator that is already sharded; stage 1
+   accumulates locally and reduce-scatters once (each device updates only its shard,
+   so the rest of the sum would be thrown away); stage 0 all-reduces once.
 2. **The update, per shard** (GSPMD): clipping by the fp32 global norm and the optax
    update run on arrays laid out by the plan, so each device updates only its shard of
    the optimizer state, and any optax transform (global-norm clipping included) sees
@@ -169,10 +170,12 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     fuse it into each consumer (here it would be a second whole fp32 gradient).
     """
     def leaf(g, d):
-      done = stage >= 2 and sharded(d)
+      g = g.astype(reduce_dtype)
+      if stage == 1 and sharded(d):  # Half an all-reduce's traffic: the update is per shard.
+        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+      done = stage >= 1 and sharded(d)
       over = [a for a in (plan.replica_axes if done else plan.data_axes)
               if plan.mesh.shape[a] > 1]
-      g = g.astype(reduce_dtype)
       if over:
         g = jax.lax.psum(g, tuple(over))
       return g

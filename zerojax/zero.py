@@ -306,8 +306,9 @@ class ZeroPlan:
 
   @property
   def grad_specs(self) -> PyTree:
-    """PartitionSpecs of the reduced gradients: sharded from stage 2."""
-    return self._specs(self.param_dims, self.params, self.stage >= 2)
+    """PartitionSpecs of the reduced gradients: sharded from stage 1 (stage 1 scatters
+    once after accumulating, stage 2 every microbatch)."""
+    return self._specs(self.param_dims, self.params, self.stage >= 1)
 
   @property
   def update_specs(self) -> PyTree:
