@@ -231,7 +231,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   # Gradients. Stage 3: the model's scan takes fp32 local shards and writes each layer's
   # fp32 gradient into them (`zero.scan_layers`; other remat policies keep a second copy).
   # Stages 0-2: the scan's layer gradients come out stacked in the param dtype, then each
-  # leaf is upcast and reduced: (reduce-)scattered at stage 2, whole at stages 0-1.
+  # leaf is upcast and reduced: scattered per microbatch at stage 2, once after the
+  # whole-gradient accumulation at stage 1, all-reduced whole at stage 0.
   layer_grads = 0 if stage >= 3 else pb * counts.layers
   if stage >= 3:
     grads = gb * (counts.local if full else counts.local + counts.local_layers)
