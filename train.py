@@ -35,7 +35,6 @@ if __name__ == "__main__":
 # pylint: disable=wrong-import-position
 import argparse
 import contextlib
-import json
 import time
 
 import jax
@@ -44,19 +43,12 @@ import numpy as np
 import zerojax
 from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
                      precision)
-from zerojax.build import build
+from zerojax.build import build, compile_step
 from zerojax.config import exit_on_config_error, load_config, parse_argv
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
-
-
-def compiled_memory(step, state, batch) -> dict[str, int]:
-  """Per-device bytes of the compiled step (arguments, temporaries, outputs)."""
-  mem = step.lower(state, batch).compile().memory_analysis()
-  return dict(arguments=mem.argument_size_in_bytes, temporaries=mem.temp_size_in_bytes,
-              outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes)
 
 
 @exit_on_config_error
@@ -111,7 +103,9 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
 
   # Compiled from abstract inputs: the memory is known before anything is allocated.
   start = time.perf_counter()
-  mem = compiled_memory(train_step, built.abstract_state, built.abstract_batch)
+  # The loop runs this same executable: one compile.
+  train_step, mem = compile_step(built)
+  del mem["seconds"]
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
   shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
   total = mem["arguments"] + mem["temporaries"]

@@ -96,18 +96,28 @@ def build(config) -> Built:
                zerojax.abstract_state(plan), abstract_batch)
 
 
-def compiled_memory(built: Built, dump_to: str | None = None) -> dict:
-  """Compiles the step from abstract inputs and returns XLA's per-device bytes
-  (arguments, temporaries, outputs, aliased) and the compile time in seconds.
-  `dump_to`: also dump the compiled module and its buffer assignment there."""
+def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
+  """Compiles the step from abstract inputs: (the executable, XLA's per-device bytes
+  (arguments, temporaries, outputs, aliased) and the compile time in seconds).
+
+  The executable runs the step on real inputs laid out like the abstract ones, so a
+  trainer that reports memory compiles once. `dump_to`: also dump the compiled module
+  and its buffer assignment there.
+  """
   options = {} if dump_to is None else dict(
       xla_dump_to=dump_to, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re="jit_step")
   start = time.perf_counter()
-  mem = built.train_step.lower(built.abstract_state, built.abstract_batch).compile(
-      compiler_options=options).memory_analysis()
-  return dict(arguments=mem.argument_size_in_bytes, temporaries=mem.temp_size_in_bytes,
-              outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
-              seconds=time.perf_counter() - start)
+  compiled = built.train_step.lower(built.abstract_state, built.abstract_batch).compile(
+      compiler_options=options)
+  mem = compiled.memory_analysis()
+  return compiled, dict(arguments=mem.argument_size_in_bytes, temporaries=mem.temp_size_in_bytes,
+                        outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
+                        seconds=time.perf_counter() - start)
+
+
+def compiled_memory(built: Built, dump_to: str | None = None) -> dict:
+  """`compile_step`'s bytes and seconds alone."""
+  return compile_step(built, dump_to)[1]
 
 
 def live_at_peak(dump_dir: str) -> list[tuple[int, str]]:
