@@ -150,6 +150,11 @@ def test_dry_run_compiles_70b_for_64_devices_without_allocating(tmp_path):
   # The arguments are the model state: bf16 params, mu, nu and Kahan buffer, 8 bytes per
   # parameter over 64 devices; the gradient shard (fp32) lives among the temporaries.
   assert abs(header["memory"]["arguments"] / (8 * header["params"] / 64) - 1) < 0.01
+  # The planner's table is printed beside the compiled bytes, and agrees within 10%.
+  records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  estimate = next(r["memory_estimate"] for r in records if "memory_estimate" in r)
+  assert abs(estimate / per_device - 1) < 0.1, (estimate, per_device)
+  assert "what zerojax holds" in result.stdout and "verdict" not in result.stderr
   assert "final" not in result.stdout  # Nothing trained.
 
 
