@@ -18,7 +18,6 @@ hoists whole-stack f32 copies out of the layer loop).
 """
 
 import argparse
-import collections
 import glob
 import os
 import re
@@ -26,8 +25,11 @@ import sys
 import tempfile
 import time
 
-CPU_MEMORY_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED "
-                    "--xla_disable_hlo_passes=while-loop-invariant-code-motion")
+os.environ["JAX_PLATFORMS"] = "cpu"  # Read when jax is imported (by zerojax, next).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from zerojax import build  # pylint: disable=wrong-import-position
+
+CPU_MEMORY_FLAGS = build.CPU_MEMORY_FLAGS
 
 
 def parse_args():
@@ -35,57 +37,24 @@ def parse_args():
   p.add_argument("--devices", type=int, default=64, help="fake CPU devices (ZeRO shards)")
   p.add_argument("--layers", type=int, default=80, help="decoder layers (80 = Llama 70B)")
   p.add_argument("--seq", type=int, default=4096, help="tokens per device")
-  p.add_argument("--xla-cpu-memory-flags", action="store_true", help=CPU_MEMORY_FLAGS)
+  p.add_argument("--xla-cpu-memory-flags", action="store_true", help=" ".join(CPU_MEMORY_FLAGS))
   p.add_argument("--top", type=int, default=0, help="list the N largest temporaries at the peak")
   p.add_argument("--dump", default=None, help="keep the XLA dump in this directory")
   return p.parse_args()
 
 
 def peak_buffers(dump_dir: str, n: int) -> list[str]:
-  """The n largest temporaries live at the peak, from XLA's buffer assignment dump.
-
-  XLA:CPU puts every temporary in one preallocated block; the `*-live-range.txt` file
-  says when each value is live, so the live set can be replayed over the schedule.
-  Values sharing an (offset, size) slot are counted once.
-  """
-  found = glob.glob(os.path.join(dump_dir, "*jit_step*after_optimizations-live-range.txt"))
-  if not found:
+  """The n largest temporaries live at the peak (`zerojax.build.live_at_peak`), with the
+  JAX op that made each."""
+  at_peak = build.live_at_peak(dump_dir)
+  if not at_peak:
     return ["(no buffer assignment in the dump)"]
-  base = found[0][:-len("-live-range.txt")]
-  text = open(base + "-buffer-assignment.txt").read()
-  temp = text.split("preallocated-temp:")[1].split("\nallocation")[0]
-  values = re.findall(r"value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=(\d+)\): "
-                      r"(\S+)", temp)
-  ranges = re.findall(r"^    (\S+\{\S*\}):(\d+)-(\d+)",
-                      open(base + "-live-range.txt").read(), re.M)
-  live = {name: (int(start), int(end)) for name, start, end in ranges}
-  slots = collections.defaultdict(list)  # (offset, size) -> [(start, end, name, shape)]
-  for name, size, offset, shape in values:
-    name = name if "{" in name else name + "{}"
-    if name in live:
-      slots[(int(offset), int(size))].append((*live[name], name, shape.split("{")[0]))
-  events = collections.Counter()
-  for (_, size), spans in slots.items():
-    end = -1
-    for start, stop, *_ in sorted(spans):  # A slot's overlapping spans count once.
-      start = max(start, end + 1)
-      if stop >= start:
-        events[start] += size
-        events[stop + 1] -= size
-        end = stop
-  total, peak, when = 0, 0, 0
-  for t in sorted(events):
-    total += events[t]
-    if total > peak:
-      peak, when = total, t
+  values = glob.glob(os.path.join(dump_dir, "*jit_step*after_optimizations-buffer-assignment-values.txt"))
   ops = dict(re.findall(r"from instruction: %(\S+) = .*?op_name=\"([^\"]*)\"",
-                        open(base + "-buffer-assignment-values.txt").read()))
-  at_peak = sorted((size, name, shape) for (_, size), spans in slots.items()
-                   for name, shape in [next(((n, sh) for a, b, n, sh in spans
-                                             if a <= when <= b), (None, None))] if name)
-  rows = [f"{peak / 1e9:8.2f} GB of temporaries live at the peak; the largest:"]
-  rows += [f"{size / 1e9:8.2f} GB  {shape:24s} {name:28s} "
-           f"{ops.get(name.split('{')[0], '')[-70:]}" for size, name, shape in at_peak[::-1][:n]]
+                        open(values[0]).read())) if values else {}
+  rows = [f"{sum(size for size, *_ in at_peak) / 1e9:8.2f} GB of temporaries live at the peak; the largest:"]
+  rows += [f"{size / 1e9:8.2f} GB  {shape:24s} {name:28s} {ops.get(name.split('{')[0], '')[-70:]}"
+           for size, shape, name in at_peak[:n]]
   return rows
 
 
@@ -94,16 +63,15 @@ def main():
   dump = args.dump or (tempfile.mkdtemp(prefix="memory_70b_") if args.top else None)
   flags = [f"--xla_force_host_platform_device_count={args.devices}"]
   if args.xla_cpu_memory_flags:
-    flags.append(CPU_MEMORY_FLAGS)
+    flags.extend(CPU_MEMORY_FLAGS)
   if dump:
     flags.append(f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
                  "--xla_dump_hlo_module_re=.*step.*")
+  # Read when JAX starts its backend (the first compile below), not at import.
   os.environ["XLA_FLAGS"] = " ".join(flags + [os.environ.get("XLA_FLAGS", "")]).strip()
-  os.environ["JAX_PLATFORMS"] = "cpu"
 
   import jax
   import jax.numpy as jnp
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
   import zerojax
   from zerojax import optim
   from zerojax.models import llama

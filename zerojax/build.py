@@ -120,8 +120,9 @@ def compiled_memory(built: Built, dump_to: str | None = None) -> dict:
   return compile_step(built, dump_to)[1]
 
 
-def live_at_peak(dump_dir: str) -> list[tuple[int, str]]:
-  """(bytes, shape) of the step's temporaries alive at their peak, from an XLA dump
+def live_at_peak(dump_dir: str) -> list[tuple[int, str, str]]:
+  """(bytes, shape, HLO value name) of the step's temporaries alive at their peak,
+  largest first, from an XLA dump
   (`compiled_memory(..., dump_to=DIR)`): the buffer assignment's temporaries,
   replayed over the live ranges; values sharing an (offset, size) slot count once."""
   found = glob.glob(os.path.join(dump_dir, "*jit_step*after_optimizations-live-range.txt"))
@@ -133,16 +134,16 @@ def live_at_peak(dump_dir: str) -> list[tuple[int, str]]:
   with open(base + "-live-range.txt") as f:
     live = {n: (int(a), int(b)) for n, a, b in re.findall(r"^    (\S+\{\S*\}):(\d+)-(\d+)",
                                                          f.read(), re.M)}
-  slots = collections.defaultdict(list)  # (offset, size) -> [(start, end, shape)]
+  slots = collections.defaultdict(list)  # (offset, size) -> [(start, end, shape, name)]
   for name, size, offset, shape in re.findall(
       r"value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=(\d+)\): (\S+)", temp):
     name = name if "{" in name else name + "{}"
     if name in live:
-      slots[(int(offset), int(size))].append((*live[name], shape.split("{")[0]))
+      slots[(int(offset), int(size))].append((*live[name], shape.split("{")[0], name))
   events = collections.Counter()
   for (_, size), spans in slots.items():
     end = -1
-    for start, stop, _ in sorted(spans):  # A slot's overlapping spans count once.
+    for start, stop, *_ in sorted(spans):  # A slot's overlapping spans count once.
       start = max(start, end + 1)
       if stop >= start:
         events[start], events[stop + 1], end = events[start] + size, events[stop + 1] - size, stop
@@ -151,6 +152,6 @@ def live_at_peak(dump_dir: str) -> list[tuple[int, str]]:
     total += events[t]
     if total > peak:
       peak, when = total, t
-  return sorted(((size, next(sh for a, b, sh in spans if a <= when <= b))
+  return sorted(((size, *next((sh, n) for a, b, sh, n in spans if a <= when <= b))
                  for (_, size), spans in slots.items()
-                 if any(a <= when <= b for a, b, _ in spans)), reverse=True)
+                 if any(a <= when <= b for a, b, *_ in spans)), reverse=True)

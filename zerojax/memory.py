@@ -389,7 +389,7 @@ def suggestions(config, devices: int | None = None,
 # ------------------------------------------------------------------ compiled truth
 
 
-def attribute(s: Setup, buffers: list[tuple[int, str]]) -> dict:
+def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
   """Compiled temporaries at the peak, by estimate component, from their shapes."""
   V, D, L, T, b, N = s.vocab_size, s.d_model, s.n_layers, s.seq_len, s.batch, s.fsdp
 
@@ -403,7 +403,7 @@ def attribute(s: Setup, buffers: list[tuple[int, str]]) -> dict:
   layer = {x[1:] for x, layered, _ in leaves if layered}
   vocab, vocab_local = {(V, D), (D, V)}, {local(x, False) for x, _, v in leaves if v}
   out, stage = collections.Counter(), s.stage if s.fsdp > 1 else 0
-  for size, text in buffers:
+  for size, text, _ in buffers:
     m = re.match(r"(\w+)\[([\d,]*)\]", text)
     shape, f32 = tuple(int(x) for x in m.group(2).split(",") if x) if m else (), text[:3] == "f32"
     if not shape:
