@@ -45,7 +45,7 @@ import re
 import sys
 
 from zerojax.models.llama import attention_kernel
-from zerojax.zero import _shard_dim
+from zerojax.zero import shard_dim
 
 GiB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -131,7 +131,7 @@ def param_counts(s: Setup) -> Counts:
   total = layers = local = local_layers = largest = 0
   for shape, layered, _ in _leaves(s):
     names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
-    dim = _shard_dim(shape, names, s.fsdp, s.min_shard_size)
+    dim = shard_dim(shape, names, s.fsdp, s.min_shard_size)
     n, n_local = math.prod(shape), math.prod(shape) // (s.fsdp if dim is not None else 1)
     total, local = total + n, local + n_local
     if layered:
@@ -395,7 +395,7 @@ def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
 
   def local(shape, layered):
     names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
-    dim = _shard_dim(shape, names, N, s.min_shard_size)
+    dim = shard_dim(shape, names, N, s.min_shard_size)
     return tuple(n // N if d == dim else n for d, n in enumerate(shape))
 
   leaves = _leaves(s)

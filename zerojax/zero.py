@@ -225,7 +225,7 @@ def flax_logical_axes(boxed_params: PyTree) -> PyTree:
                       is_leaf=boxed)
 
 
-def _shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
+def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
                num_shards: int, min_size: int) -> int | None:
   """The dimension to shard a leaf along, or None to keep it replicated.
 
@@ -403,7 +403,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   def leaf_dim(x, n):
     if n is not None and len(n) != len(x.shape):
       raise ValueError(f"logical axes {n} do not fit a leaf of shape {x.shape}")
-    return _shard_dim(tuple(x.shape), n, shards, min_shard_size)
+    return shard_dim(tuple(x.shape), n, shards, min_shard_size)
 
   param_dims = jax.tree.map(leaf_dim, params, names, is_leaf=is_names)
   per_layer = jax.tree.map(lambda n, _: bool(n and LAYERS_AXIS in n), names, params,
@@ -421,7 +421,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
       return param_dims
     if not jnp.issubdtype(t.dtype, jnp.floating):  # Counts and PRNG keys.
       return None
-    return _shard_dim(tuple(t.shape), None, shards, min_shard_size)
+    return shard_dim(tuple(t.shape), None, shards, min_shard_size)
 
   opt_dims = jax.tree.map(opt_dim, opt_state, is_leaf=mirrors)
   abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
