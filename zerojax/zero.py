@@ -226,7 +226,7 @@ def flax_logical_axes(boxed_params: PyTree) -> PyTree:
 
 
 def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
-               num_shards: int, min_size: int) -> int | None:
+              num_shards: int, min_size: int) -> int | None:
   """The dimension to shard a leaf along, or None to keep it replicated.
 
   The largest dimension divisible by `num_shards`, never the stacked-layers axis (a
