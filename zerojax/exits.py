@@ -1,0 +1,25 @@
+"""The exit statuses of zerojax's commands: one table, so job runners can act on them.
+
+A job runner that restarts on failure should restart on `STOPPED` (the run saved and
+wants to go on) and on `PEER_LOST` / `SAVE_FAILED` once the cause is fixed; it should
+not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
+
+| status | name | meaning |
+| --- | --- | --- |
+| 0 | `DONE` | finished (or already finished); a dry run that compiled |
+| 1 | — | an unexpected error (a bug): Python's traceback |
+| 2 | `BAD_INPUT` | config, command line, data, checkpoint or Hugging Face folder unusable; the workdir is locked by another run; the step does not fit the host's memory |
+| 3 | `NON_FINITE` | `precision.max_consecutive_skips` non-finite steps in a row |
+| 4 | `INIT_FAILED` | the processes of a multi-host run did not all join in time |
+| 5 | `PEER_LOST` | another process of the run died or a collective failed |
+| 6 | `SAVE_FAILED` | a checkpoint could not be written (disk full, permission) |
+| 75 | `STOPPED` | saved and stopped before the last step (SIGTERM, Ctrl-C, `--stop_after`); the same command resumes (75 is sysexits' EX_TEMPFAIL: "try again") |
+"""
+
+DONE = 0
+BAD_INPUT = 2
+NON_FINITE = 3
+INIT_FAILED = 4
+PEER_LOST = 5
+SAVE_FAILED = 6
+STOPPED = 75
