@@ -167,7 +167,7 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
 
   def check_skips(step, m):
     m = {k: float(m[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
-    line = precision.check_skips(step, m, c.precision.max_consecutive_skips)
+    line = precision.check_skips(step, m, c.precision.max_consecutive_skips, loss_scaling)
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 

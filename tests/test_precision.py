@@ -162,11 +162,37 @@ def test_check_skips_lines_and_limit():
   line = precision.check_skips(7, row, 3)
   assert line.startswith("step 7:") and "2 in a row" in line and "32768" in line
   assert precision.check_skips(7, dict(row, consecutive_skips=500.0), 0)  # 0: never stops.
-  with pytest.raises(NonFiniteError) as info:
-    precision.check_skips(8, dict(row, consecutive_skips=3.0), 3)
+  with pytest.raises(NonFiniteError) as info:  # An fp16 run's dynamic scale, still above 1.
+    precision.check_skips(8, dict(row, consecutive_skips=3.0), 3, LossScaling())
   message = str(info.value)
   assert message.startswith("step 8:") and "3 consecutive steps" in message
   assert "Try:" in message and "bfloat16" in message and "grad_clip" in message
+
+
+def test_calibration_skips_do_not_count_toward_the_limit():
+  cfg = LossScaling(dynamic=True, initial_power=32, window=1000, hysteresis=2, min_scale=1.0)
+  # One overflow uses up the hysteresis, 32 halve 2^32 down to 1.
+  assert precision.calibration_skips(cfg) == 33
+  assert precision.calibration_skips(dataclasses.replace(cfg, min_scale=3.0)) == 1 + 31
+  assert precision.calibration_skips(dataclasses.replace(cfg, min_scale=2.0 ** 32)) == 0
+  assert precision.calibration_skips(precision.NO_SCALING) == 0
+  skip = lambda row, scale: {"skipped": 1.0, "consecutive_skips": float(row), "loss_scale": scale}
+  # Before the first finite step (row == step) the first 33 are calibration.
+  line = precision.check_skips(20, skip(20, 2.0 ** 14), 10, cfg)
+  assert "20 in a row" in line and "calibrating from 2^32: not counted" in line
+  assert "not counted" not in precision.check_skips(42, skip(42, 1.0), 10, cfg)
+  with pytest.raises(NonFiniteError) as info:
+    precision.check_skips(43, skip(43, 1.0), 10, cfg)
+  message = str(info.value)
+  assert "10 consecutive steps had non-finite gradients after the 33 that brought" in message
+  # At min_scale 1 the scale is not the cause: no advice to raise or lower it.
+  assert "float16 forward or backward itself overflows" in message
+  assert "smaller precision.loss_scale.min_scale" not in message
+  # After a finite step every skip counts: a row of 10 ending at step 50 stops the run,
+  # and while the scale was still coming down the advice says how to let it go lower.
+  with pytest.raises(NonFiniteError) as info:
+    precision.check_skips(50, skip(10, 64.0), 10, cfg)
+  assert "still coming down" in str(info.value) and "max_consecutive_skips" in str(info.value)
 
 
 # --- The real step --------------------------------------------------------------------
@@ -362,3 +388,38 @@ def test_train_fp16_runs_and_learns(tmp_path):
   skips = [r for r in records if r.get("skipped")]
   assert len(skips) <= 3, skips
   assert "done: 20 steps" in result.stdout
+
+
+def test_train_fp16_from_2_to_the_32_calibrates_then_trains():
+  # DeepSpeed's initial_scale_power=32: the scale needs more halvings than
+  # max_consecutive_skips (10) to reach what fp16 gradients bear; that is calibration.
+  result = run_train(*FP16, "--config.precision.loss_scale.initial_power=32",
+                     "--config.train.steps=24", "--config.optimizer.warmup_steps=5",
+                     "--config.train.log_every=8", "--config.train.eval_every=0",
+                     "--config.train.eval_batches=1")
+  assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+  skipped = [s for s in range(1, 25) if f"step {s}: gradients not finite" in result.stdout]
+  assert len(skipped) > 10 and skipped == list(range(1, len(skipped) + 1)), skipped
+  assert len(skipped) < 20, skipped  # Finite steps follow: it trains.
+  assert f"step {skipped[-1]}: gradients not finite, update skipped ({skipped[-1]} in a row" in result.stdout
+  assert "calibrating from 2^32: not counted" in result.stdout
+  final = float(result.stdout.split("final train loss ")[1].split()[0])
+  assert "done: 24 steps" in result.stdout and final < 5.0, result.stdout[-2000:]
+
+
+def test_train_fp16_that_never_becomes_finite_still_exits_3_after_calibration():
+  # From 2^40 down to min_scale 2^36 is calibration (1 + 4 skips); at 2^36 every fp16
+  # backward still overflows, so 3 more end the run, advising a smaller min_scale.
+  result = run_train(*FP16, "--config.precision.loss_scale.initial_power=40",
+                     f"--config.precision.loss_scale.min_scale={2.0 ** 36}",
+                     "--config.precision.max_consecutive_skips=3", "--config.train.steps=20",
+                     "--config.optimizer.warmup_steps=5", "--config.train.eval_batches=1")
+  assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+  error = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+  assert len(error) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert error[0].startswith("error: step 8:"), error[0]
+  assert "3 consecutive steps had non-finite gradients after the 5 that brought" in error[0]
+  assert "a smaller precision.loss_scale.min_scale" in error[0]
+  assert "step 5: gradients not finite, update skipped (5 in a row; loss scale now 6.87195e+10, " \
+         "calibrating from 2^40: not counted)" in result.stdout
+

@@ -13,6 +13,7 @@ bf16 and fp32 use a static scale of 1.
 """
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -105,27 +106,69 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def check_skips(step: int, metrics: dict, limit: int) -> str | None:
+def calibration_skips(cfg: LossScaling) -> int:
+  """The overflows a run may start with while its loss scale finds its level.
+
+  From 2^initial_power the first `hysteresis - 1` overflows use up the tolerance and
+  each later one halves the scale, until it reaches `min_scale`: that many skips in a
+  row before any finite step are the scale calibrating, not a sign that the run is
+  broken (DeepSpeed configs often start at 2^32, far above what fp16 gradients bear).
+  """
+  if not cfg.dynamic or 2.0 ** cfg.initial_power <= cfg.min_scale:
+    return 0
+  return cfg.hysteresis - 1 + math.ceil(cfg.initial_power - math.log2(cfg.min_scale))
+
+
+def check_skips(step: int, metrics: dict, limit: int,
+                scaling: LossScaling = NO_SCALING) -> str | None:
   """A log line for a skipped step, or NonFiniteError once `limit` came in a row.
 
+  Skips before the run's first finite step do not count while the scale is still
+  calibrating (`calibration_skips`): the limit counts only the skips after them. That
+  is the whole allowance because a scale that has once seen a finite step is at a level
+  the gradients bear; it climbs from there one doubling per `window` finite steps, and
+  an overflow up there halves it back within `hysteresis` skips. A longer row later
+  means the gradients themselves blew up, whatever the scale. (A limit that grew with
+  initial_power for every row would let a diverged fp16 run go on for dozens of steps.)
+
   Args:
-    step: the step number the metrics belong to.
+    step: the step number the metrics belong to (steps taken, skipped ones included).
     metrics: the step's metrics (host values): skipped, consecutive_skips, loss_scale.
     limit: consecutive skips that end the run; 0 never does.
+    scaling: the run's loss scaling, for the calibration allowance and the advice.
 
   Returns:
     None for a normal step, else the line to log.
   """
   if not metrics["skipped"]:
     return None
-  row = int(metrics["consecutive_skips"])
-  line = (f"step {step}: gradients not finite, update skipped ({row} in a row; "
-          f"loss scale now {float(metrics['loss_scale']):g})")
-  if limit and row >= limit:
-    raise NonFiniteError(
-        f"{line}. {limit} consecutive steps had non-finite gradients, so training "
-        "stopped rather than run on without learning. Try: a lower learning rate or "
-        "more warmup, optimizer.grad_clip > 0, bfloat16 instead of float16, a larger "
-        "precision.loss_scale.min_scale if the scale collapsed, or check the data for "
-        "bad tokens.")
-  return line
+  row, scale = int(metrics["consecutive_skips"]), float(metrics["loss_scale"])
+  # row == step: every step so far was skipped (the counter is in the checkpointed
+  # state, so this holds across a resume too).
+  allowance = calibration_skips(scaling) if row == step else 0
+  calibrating = row <= allowance
+  line = (f"step {step}: gradients not finite, update skipped ({row} in a row; loss scale "
+          f"now {scale:g}" + (f", calibrating from 2^{scaling.initial_power}: not counted)"
+                              if calibrating else ")"))
+  if calibrating or not limit or row - allowance < limit:
+    return line
+  after = (f" after the {allowance} that brought the loss scale down from "
+           f"2^{scaling.initial_power} to min_scale" if allowance else "")
+  if not scaling.dynamic:
+    advice = ("Try: a lower learning rate or more warmup, optimizer.grad_clip > 0, or check "
+              "the data for bad tokens.")
+  elif scale <= scaling.min_scale:  # At its floor: a smaller scale was not allowed.
+    advice = (f"The loss scale is at precision.loss_scale.min_scale={scaling.min_scale:g}, "
+              + ("so the scaled gradients may overflow. Try: a smaller "
+                 "precision.loss_scale.min_scale, " if scaling.min_scale > 1 else
+                 "so the float16 forward or backward itself overflows. Try: ")
+              + "bfloat16 instead of float16, a lower learning rate or more warmup, "
+              "optimizer.grad_clip > 0, or check the data for bad tokens.")
+  else:
+    advice = (f"The loss scale was still coming down (min_scale {scaling.min_scale:g}). Try: a "
+              "lower learning rate or more warmup, optimizer.grad_clip > 0, bfloat16 instead of "
+              "float16, a larger precision.max_consecutive_skips to let the scale go lower, or "
+              "check the data for bad tokens.")
+  raise NonFiniteError(
+      f"{line}. {row - allowance} consecutive steps had non-finite gradients{after}, so "
+      f"training stopped rather than run on without learning. {advice}")
