@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import ml_collections
 import numpy as np
@@ -260,3 +261,40 @@ def test_good_data_configs_load(tmp_path):
                     ["data.name=text", "data.path=a.jsonl", "data.tokenizer=t.json", "data.eos_id=2"]):
     c = zc.load_config(BASE, overrides)
     assert c.data.name == overrides[0].split("=")[1]
+
+
+def test_a_directory_is_called_a_directory(tmp_path, tokenizer_path):
+  with pytest.raises(DataError, match="is a directory, not a file") as info:
+    data.load_tokens(data_config(name="tokens", path=str(tmp_path)), 100, 16)
+  assert str(tmp_path) in str(info.value) and "data.path" in str(info.value)
+  with pytest.raises(DataError, match="is a directory, not a file"):
+    data.load_tokens(data_config(name="text", path=write(tmp_path / "a.txt", "the cat"),
+                                 tokenizer=str(tmp_path)), 100, 1)
+
+
+def test_a_token_file_changed_under_its_memory_map_is_an_error(tmp_path):
+  path = write(tmp_path / "ids.bin", np.arange(4096, dtype=np.uint16) % 100)
+  train, held_out = data.load_tokens(data_config(name="tokens", path=path), 100, 16)
+  data.batch_at(train, 0, 4, 16, 0)
+  # Replaced by a rename: the map keeps the old pages, training may go on.
+  write(tmp_path / "new.bin", np.zeros(10, np.uint16))
+  os.replace(tmp_path / "new.bin", path)
+  data.batch_at(train, 1, 4, 16, 0)
+  # Rewritten in place, same size (so no SIGBUS, but other tokens than were checked).
+  path = write(tmp_path / "other.bin", np.arange(4096, dtype=np.uint16) % 100)
+  train, _ = data.load_tokens(data_config(name="tokens", path=path), 100, 16)
+  time.sleep(0.05)  # File times tick at the kernel's coarse clock (up to 10 ms).
+  with open(path, "r+b") as f:
+    f.write(b"\xff\xff")
+  with pytest.raises(DataError, match="rewritten in place, same size"):
+    data.batch_at(train, 2, 4, 16, 0)
+  # Truncated: the next read past the new end would be a SIGBUS.
+  path = write(tmp_path / "third.npy", np.arange(4096, dtype=np.uint32) % 100)
+  train, held_out = data.load_tokens(data_config(name="tokens", path=path), 100, 16)
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    f.truncate(1024)
+  for tokens in (train, held_out):
+    with pytest.raises(DataError) as info:
+      data.batch_at(tokens, 3, 4, 16, 0)
+    assert f"{path} (data.path): changed while training (size {size} -> 1024 bytes)" in str(info.value)

@@ -49,6 +49,8 @@ _ENCODE_BATCH = 1024
 # (Llama 3's base models end documents with <|end_of_text|>, GPT-2 with <|endoftext|>).
 _EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 _CACHE_VERSION = 1  # Bump when the packing changes, so old caches are not reused.
+# {path: (inode, size, mtime_ns, config key)} of each token file read_token_file mapped.
+_OPENED: dict[str, tuple[int, int, int, str]] = {}
 
 
 class DataError(ValueError):
@@ -91,7 +93,10 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> np.ndarray:
 
 
 def _check_file(path: str, key: str) -> int:
-  """The size of `path` in bytes, or a DataError if it is missing or empty."""
+  """The size of `path` in bytes, or a DataError if it is missing, a directory or empty."""
+  if os.path.isdir(path):
+    raise DataError("is a directory, not a file", path=path, key=key,
+                    fix=f"set {key} to a file in it (one file per key; concatenate shards into one)")
   if not os.path.isfile(path):
     raise DataError("no such file", path=path, key=key,
                     fix=f"set {key} to an existing file (relative paths start at the working directory)")
@@ -100,6 +105,39 @@ def _check_file(path: str, key: str) -> int:
     raise DataError("the file is empty", path=path, key=key,
                     fix="regenerate it; the preprocessing that wrote it probably failed")
   return size
+
+
+def _watch(tokens: np.memmap, key: str) -> np.memmap:
+  """Records a memory-mapped file's identity, size and mtime for `check_unchanged`."""
+  st = os.stat(tokens.filename)
+  _OPENED[tokens.filename] = (st.st_ino, st.st_size, st.st_mtime_ns, key)
+  return tokens
+
+
+def check_unchanged(tokens: np.ndarray) -> None:
+  """Raises DataError if the file under a memory-mapped `tokens` changed since it was opened.
+
+  A file truncated under its memmap kills the process with SIGBUS, no message, when a
+  batch touches the lost pages; one rewritten in place feeds other tokens than were
+  checked. One `os.stat` per call, before the batch is read: a change that lands during
+  the read itself (a fraction of a millisecond per step) can still end in SIGBUS. A file
+  replaced by a new one (a rename) or deleted is fine: the map keeps the old file's pages.
+  """
+  path = getattr(tokens, "filename", None)
+  if path not in _OPENED:  # In memory, or not opened by read_token_file.
+    return
+  inode, size, mtime, key = _OPENED[path]
+  try:
+    st = os.stat(path)
+  except FileNotFoundError:
+    return
+  if st.st_ino == inode and (st.st_size, st.st_mtime_ns) != (size, mtime):
+    what = (f"size {size} -> {st.st_size} bytes" if st.st_size != size else
+            "rewritten in place, same size")
+    raise DataError(f"changed while training ({what}); training reads it through a memory map, so "
+                    "it must stay as it was until the run ends", path=path, key=key,
+                    fix=f"write new data to a new file and point {key} at it; the same command then "
+                        "resumes from the last checkpoint")
 
 
 def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path") -> np.ndarray:
@@ -126,7 +164,7 @@ def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path")
     if dtype == "uint16" and len(head) >= 32 and not head[1::2].any() and head[0::2].any():
       raise DataError("every second uint16 id is 0: this looks like uint32 data", path=path, key=key,
                       fix="set data.dtype='uint32'")
-    return tokens
+    return _watch(tokens, key)
   if ext == ".npy":
     try:
       tokens = np.load(path, mmap_mode="r")
@@ -141,7 +179,7 @@ def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path")
                       key=key, fix="save it flat: np.save(path, ids.reshape(-1))")
     if tokens.size == 0:
       raise DataError("holds no tokens", path=path, key=key, fix="regenerate it")
-    return tokens
+    return _watch(tokens, key)
   raise DataError(f"has extension {ext or '(none)'!r}; data.name='tokens' reads .bin (raw ids of "
                   "data.dtype) and .npy files", path=path, key=key,
                   fix="convert it, or use data.name='text' for .txt / .jsonl text")
@@ -386,7 +424,9 @@ def batch_at(tokens: np.ndarray, step: int, batch_size: int, seq_len: int, seed:
 
   Raises:
     ValueError: if the tokens are fewer than seq_len + 1.
+    DataError: the memory-mapped file changed since it was opened (`check_unchanged`).
   """
+  check_unchanged(tokens)
   n = len(tokens)
   if n < seq_len + 1:
     raise ValueError(f"the token source has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}: "
