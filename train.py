@@ -9,32 +9,16 @@ parameter count and the compiled per-device memory of the step; then a progress 
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
 and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
-`--fake_devices`) and exits. Bad config or data: one message, exit status 2. Several
+`--fake_devices`) and exits. Bad command line, config or data: one `error:` line, exit
+status 2, before the config is printed; on CPU a step larger than the host's free memory
+is refused the same way before anything is allocated (not in a dry run). Several
 processes (README, Multi-host): the same command on each; exit status 4 if they do not
 all join within distributed.initialization_timeout.
 """
 
+import contextlib
 import os
 import sys
-
-
-def _fake_devices(argv: list[str]) -> None:
-  """`--fake_devices N`: N CPU devices, set before JAX is imported (hence up here)."""
-  for i, arg in enumerate(argv):
-    if arg.startswith("--fake_devices"):
-      n = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
-      # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
-      # of the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
-      from zerojax.build import fake_cpu_devices  # pylint: disable=import-outside-toplevel
-      fake_cpu_devices(int(n))
-
-
-if __name__ == "__main__":
-  _fake_devices(sys.argv[1:])
-
-# pylint: disable=wrong-import-position
-import argparse
-import contextlib
 import time
 
 import jax
@@ -43,8 +27,9 @@ import numpy as np
 import zerojax
 from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
                      precision)
-from zerojax.build import build, compile_step
-from zerojax.config import exit_on_config_error, load_config, parse_argv
+from zerojax.build import build, compile_step, fake_cpu_devices
+from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
+                            parse_argv)
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
 
@@ -54,16 +39,22 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 @exit_on_config_error
 def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
-  parser = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+  parser = ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
   parser.add_argument("--dry_run", action="store_true",
                       help="compile the step from abstract inputs, report memory, train nothing")
   parser.add_argument("--fake_devices", type=int, default=0,
-                      help="run on this many fake CPU devices (read before JAX starts)")
+                      help="run on this many fake CPU devices (set before JAX starts a backend)")
   parser.add_argument("--workdir", default=None, help="overrides config.workdir")
   parser.add_argument("--stop_after", type=int, default=None, metavar="STEP",
                       help="after this step, save and exit as on SIGTERM (a preemption "
                            "drill; the same command without it resumes)")
   args = parser.parse_args(rest)
+  if args.fake_devices < 0:
+    parser.error(f"argument --fake_devices: {args.fake_devices} is not a number of devices")
+  if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
+    # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
+    # of the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
+    fake_cpu_devices(args.fake_devices)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]
   # Every config mistake surfaces here, before anything touches a device; then this
@@ -77,7 +68,6 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   if c.workdir and jax.process_index() == 0:
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
-  report(f"config {path} {' '.join(overrides)}\n{config}")
   if c.init_from:  # A model section that contradicts its config.json: HFError, exit 2.
     hf.check_config(c.init_from, c.model)
   # Checkpoints in <workdir>/checkpoints; a config that contradicts the newest one is an
@@ -95,6 +85,11 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   # Every data mistake surfaces here too, before the model is built or compiled.
   train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
                                                cache_dir=c.workdir)
+  # Printed once the config and data are known good, so an error is the first thing shown.
+  report(f"config {path} {' '.join(overrides)}\n{config}")
+  warning = hf.seq_len_warning(c.init_from, t.seq_len) if c.init_from else None
+  if warning:
+    report(warning)
   # The mesh, model, optimizer, ZeRO plan and jitted step (the memory planner compiles
   # the same ones: zerojax.build).
   built = build(config)
@@ -122,9 +117,15 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
          f"(compile {time.perf_counter() - start:.1f}s)",
          devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape), stage=c.zero.stage,
          params=n_params, memory=mem)
+  # CPU devices share the host's memory: a step that does not fit would swap, ignore
+  # Ctrl-C while it allocates, then meet the OOM killer. A dry run allocates nothing.
+  host = (memory_report.host_memory_available()
+          if jax.devices()[0].platform == "cpu" and not args.dry_run else 0)
   # The memory planner's estimate beside the compiled numbers, and a verdict where the
-  # device says how much memory it has (python -m zerojax.memory explains the rows).
+  # device (or, on CPU, the host) says how much memory it has (python -m zerojax.memory
+  # explains the rows).
   estimate = memory.estimate(config, jax.device_count(),
+                             host // jax.local_device_count() if host else
                              memory_report.device_memory(jax.devices()[0]))
   found = memory.suggestions(estimate.setup, device_memory=estimate.device_memory)
   report("\n".join(filter(None, [memory_report.format_table(estimate, mem, title=path),
@@ -132,6 +133,13 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
          memory_estimate=estimate.total)
   if args.dry_run:
     return 0
+  if host and total * jax.local_device_count() > host:
+    raise ConfigError(
+        f"the step needs {metrics.fmt_bytes(total * jax.local_device_count())} of host memory "
+        f"({metrics.fmt_bytes(total)} compiled per device x {jax.local_device_count()} CPU "
+        f"devices), {metrics.fmt_bytes(host)} available.", source=path,
+        fix="the memory plan above lists changes that fit; --dry_run compiles it without "
+            "allocating")
 
   # Resume from the newest intact checkpoint in the workdir, if any (a damaged one is
   # reported and skipped); a config that contradicts it is a CheckpointError (exit 2).

@@ -1,6 +1,8 @@
 """Tests for zerojax.config: loading, overrides, and one clear ConfigError per mistake."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -289,3 +291,54 @@ def test_new_schema_keys_have_defaults():
   assert c.optimizer.state_dtype == "bfloat16" and c.optimizer.update_rule == "kahan"
   assert c.precision.max_consecutive_skips == 10 and c.precision.loss_scale.window == 1000
   assert c.precision.loss_scale.hysteresis == 2 and c.precision.loss_scale.min_scale == 1.0
+
+
+def test_config_that_is_not_python_says_so(tmp_path):
+  ds = tmp_path / "ds_config.json"
+  ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
+                            "zero_optimization": {"stage": 2, "overlap_comm": True}}))
+  with pytest.raises(zc.ConfigError) as info:
+    zc.load_config(str(ds))
+  message = str(info.value)
+  assert "not a Python file" in message and "get_config()" in message
+  for line in ["train_micro_batch_size_per_gpu = 4: set train.global_batch_size and train.microbatches",
+               "steps_per_print = 10: use train.log_every", 'optimizer.type = "AdamW": use optimizer.name',
+               "optimizer.params.lr = 0.0001: use optimizer.learning_rate",
+               "optimizer.params.betas = [0.9, 0.95]: use optimizer.b1, optimizer.b2",
+               "zero_optimization.stage = 2: use zero.stage",
+               "no zerojax setting: zero_optimization.overlap_comm"]:  # Not the ZeRO stage's hint.
+    assert "\n    " + line in message, (line, message)
+  for name, text in [("base.yml", "train:\n  steps: 10\n"), ("list.json", "[1, 2]")]:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(zc.ConfigError, match="is not a Python file") as info:
+      zc.load_config(str(tmp_path / name))
+    assert "DeepSpeed" not in str(info.value)
+
+
+def test_workdir_must_be_a_directory(tmp_path):
+  (tmp_path / "file").write_text("")
+  for workdir, text in [(tmp_path / "file", "is a file, not a directory."),
+                        (tmp_path / "file" / "run", "would be inside it")]:
+    with pytest.raises(zc.ConfigError, match=text) as info:
+      zc.load_config(TINY, [f"workdir={workdir}"])
+    assert info.value.key == "workdir"
+  assert zc.load_config(TINY, [f"workdir={tmp_path / 'new' / 'run'}"]).workdir  # Created later.
+
+
+def test_argument_parser_mistakes_are_config_errors():
+  parser = zc.ArgumentParser(prog="train.py")
+  parser.add_argument("--fake_devices", type=int, default=0)
+  parser.add_argument("--dry_run", action="store_true")
+  assert parser.parse_args(["--fake_devices", "8"]).fake_devices == 8
+  for args, text in [(["--fake_devices", "x"], "invalid int value: 'x'"),
+                     (["--fake_devices"], "expected one argument"),
+                     (["--dryrun"], "did you mean --dry_run?"),
+                     (["--confg=a.py"], "did you mean --config=a.py?"),
+                     (["--cnfig.zero.stage", "2"], "did you mean --config.zero.stage?"),
+                     (["configs/tiny.py"], "write --config configs/tiny.py"),
+                     (["zero.stage=2"], "write --config.zero.stage=2"),
+                     (["--steps=3"], "did you mean --config.train.steps=3?"),
+                     (["--xyzzy"], "--config.a.b=value")]:
+    with pytest.raises(zc.ConfigError, match=re.escape(text)):
+      parser.parse_args(args)

@@ -292,6 +292,16 @@ def test_check_config_names_every_contradicting_key(tmp_path):
     hf.check_config(str(tmp_path), {**model, "rope_scaling_factor": 8.0})
 
 
+def test_seq_len_past_max_position_embeddings_is_a_warning(tmp_path):
+  write_hf(tmp_path, {}, dict(hf_config(**SMALL), max_position_embeddings=16))
+  assert hf.seq_len_warning(str(tmp_path), 16) is None
+  warning = hf.seq_len_warning(str(tmp_path), 32)
+  assert warning.startswith("warning: train.seq_len=32 is longer than max_position_embeddings=16 in ")
+  assert "--config.train.seq_len=16" in warning
+  write_hf(tmp_path, {}, hf_config(**SMALL))  # No max_position_embeddings: nothing to say.
+  assert hf.seq_len_warning(str(tmp_path), 1 << 20) is None
+
+
 TRAIN_ARGS = [os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.py")]
 
 
@@ -309,7 +319,8 @@ def test_train_init_from_hf(tmp_path, capsys):
   from zerojax import data  # pylint: disable=import-outside-toplevel
   from zerojax.config import base_config  # pylint: disable=import-outside-toplevel
   shape = dict(V=256, D=32, L=2, H=4, K=2, F=64)
-  write_hf(tmp_path / "hf", hf_weights(**shape), hf_config(**shape))
+  # A context of 8 positions, trained at 16: allowed (context extension), with a warning.
+  write_hf(tmp_path / "hf", hf_weights(**shape), dict(hf_config(**shape), max_position_embeddings=8))
   model_args = [f"--config.model.{k}={v}" for k, v in dict(
       vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
       rope_theta=10000.0, attention_block=16, loss_chunk=16).items()]
@@ -322,6 +333,7 @@ def test_train_init_from_hf(tmp_path, capsys):
               f"--config.init_from={tmp_path / 'hf'}", f"--config.workdir={tmp_path / 'run'}"]
   result = run_train(*model_args, *run_args)
   assert result.returncode == 0, result.stderr[-3000:]
+  assert "warning: train.seq_len=16 is longer than max_position_embeddings=8" in result.stdout
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   first = next(r["loss"] for r in records if r.get("step") == 1 and "loss" in r)
   # The loss of the imported params on train.py's first batch (seed 0, step 0).

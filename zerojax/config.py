@@ -17,6 +17,7 @@ import difflib
 import functools
 import importlib.util
 import inspect
+import json
 import math
 import os
 import re
@@ -27,11 +28,13 @@ from typing import Any
 
 import ml_collections
 
-from zerojax.config_schema import (ConfigError, Source, base_config, check_tree, check_value, flatten,
-                                   group_error, parent_of, schema, source_of, type_name, unknown_key)
+from zerojax import exits
+from zerojax.config_schema import (ConfigError, Source, base_config, check_tree, check_value, closest,
+                                   deepspeed_keys, flatten, group_error, parent_of, schema, source_of,
+                                   type_name, unknown_key)
 
-__all__ = ["ConfigError", "base_config", "load_config", "parse_argv", "validate", "resolve_mesh_shape",
-           "apply_override", "exit_on_config_error"]
+__all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv", "validate",
+           "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -172,6 +175,24 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
                       fix="set it to the JSONL field that holds each document (usually 'text')")
 
 
+def _check_workdir(config: ml_collections.ConfigDict, source: Source) -> None:
+  """The workdir must be a directory or creatable as one; it is made later, by the run."""
+  if not config.workdir:
+    return
+  existing = os.path.abspath(config.workdir)
+  while not os.path.exists(existing):  # The nearest part of the path that exists.
+    existing = os.path.dirname(existing)
+  where = source_of(source, "workdir")
+  if not os.path.isdir(existing):
+    inside = "" if existing == os.path.abspath(config.workdir) else f", and {config.workdir} would be inside it"
+    raise ConfigError(f"{existing} is a file, not a directory{inside}.", key="workdir", source=where,
+                      fix="name a directory for the run's checkpoints, metrics and config (it is created "
+                          "if missing)")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"the directory {existing} is not writable by this user.", key="workdir", source=where,
+                      fix="name a directory you can write to")
+
+
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
              source: Source = "the config") -> None:
   """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
@@ -196,6 +217,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check_precision(config, source)
   _check_model(config, source)
   _check_data(config, source)
+  _check_workdir(config, source)
   if config.model.name == "mlp_lm" and config.model.context > config.train.seq_len:
     raise ConfigError(f"context {config.model.context} is longer than train.seq_len={config.train.seq_len}.",
                       key="model.context", source=source_of(source, "model.context", "train.seq_len"),
@@ -288,6 +310,22 @@ def _describe_failure(exc: BaseException, path: str) -> ConfigError:
                      fix="fix the file so that get_config() runs")
 
 
+def _not_python(path: str) -> ConfigError:
+  """A config file that is not Python; for a DeepSpeed JSON, where each of its settings lives here."""
+  problem = (f"{path} is not a Python file; a zerojax config is a .py file whose get_config() returns "
+             "an ml_collections.ConfigDict (e.g. configs/tiny.py).")
+  fix = "copy its values into such a file, or start from configs/tiny.py and pass --config.a.b=value"
+  try:
+    with open(path, encoding="utf-8") as f:
+      tree = json.load(f)
+  except (OSError, ValueError):
+    tree = None
+  if isinstance(tree, dict) and tree:
+    problem += " It parses as JSON (a DeepSpeed config?); its settings are these keys here:\n    "
+    problem += deepspeed_keys(tree)
+  return ConfigError(problem, source="--config", fix=fix)
+
+
 def _run_file(spec: str) -> tuple[ml_collections.ConfigDict, str]:
   """Runs `get_config()` (or `get_config(arg)` for `file.py:arg`) from a config file."""
   match = re.match(r"^(.*?\.py):(.*)$", spec)
@@ -298,6 +336,8 @@ def _run_file(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     raise ConfigError(f"config file {path} does not exist.", source="--config",
                       fix="did you mean " + ", ".join(os.path.join(folder, n) for n in near) + "?" if near
                       else "pass the path of a Python file with get_config(), e.g. --config configs/tiny.py")
+  if not path.endswith(".py"):
+    raise _not_python(path)
   try:
     module_spec = importlib.util.spec_from_file_location("_zerojax_config_file", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -390,16 +430,57 @@ def parse_argv(argv: Sequence[str], *, default: str | None = None) -> tuple[str,
   return path, overrides, rest
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse for the arguments `parse_argv` leaves: every mistake is a ConfigError.
+
+  So a CLI under `exit_on_config_error` answers a bad command line with one `error:` line
+  and exit status 2, never argparse's usage block, and names what was probably meant:
+  `--confg` -> `--config`, a bare `configs/tiny.py` -> `--config configs/tiny.py`.
+  """
+
+  def error(self, message: str):  # argparse's own mistakes: a bad or missing value.
+    raise ConfigError(f"{message}.", source="the command line", fix=f"see {self.prog} --help")
+
+  def parse_args(self, args=None, namespace=None):  # pylint: disable=arguments-differ
+    known, extra = self.parse_known_args(args, namespace)
+    if extra:
+      raise self._unknown(extra[0])
+    return known
+
+  def _unknown(self, arg: str) -> ConfigError:
+    if arg.startswith("-"):
+      name = arg.split("=", 1)[0]
+      options = ["--config"] + [o for a in self._actions for o in a.option_strings
+                                if o.startswith("--") and o != "--help"]
+      # --cofig.zero.stage=2 is a --config.zero.stage=2 with a typo in its prefix.
+      head = name.partition(".")[0]
+      near = difflib.get_close_matches(head, options, n=1, cutoff=0.6)
+      keys = closest(name.lstrip("-"), list(schema()[0]))  # --steps: --config.train.steps.
+      fix = (f"did you mean {near[0]}{arg[len(head):]}?" if near else
+             f"did you mean --config.{keys[0]}{arg[len(name):]}?" if keys else
+             f"see {self.prog} --help; config values are set with --config.a.b=value")
+      return ConfigError(f"unknown option {name}.", source="the command line", fix=fix)
+    if arg.endswith(".py") or os.path.isfile(arg):
+      fix = f"write --config {arg}"
+    elif "=" in arg:
+      fix = f"write --config.{arg}"
+    else:
+      fix = f"see {self.prog} --help"
+    return ConfigError(f"{arg!r} is not an option: {self.prog} takes no positional arguments.",
+                       source="the command line", fix=fix)
+
+
 def exit_on_config_error(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """Decorates a CLI entry point: a ConfigError prints `error: <message>` to stderr and exits with 2."""
+  """Decorates a CLI entry point: a ConfigError prints `error: <message>` to stderr and exits
+  with `exits.BAD_INPUT`."""
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
     try:
       return fn(*args, **kwargs)
     except ConfigError as exc:
-      print(f"error: {exc}", file=sys.stderr)
-      sys.exit(2)
+      print(f"error: {exc}", file=sys.stderr, flush=True)
+      sys.exit(exits.BAD_INPUT)
 
   return wrapper
 
@@ -408,9 +489,9 @@ def exit_on_config_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 def main(argv: Sequence[str] | None = None) -> int:
   """Prints the resolved config: python -m zerojax.config --config F [--config.a.b=v ...] [--num_devices N]."""
   path, overrides, rest = parse_argv(sys.argv[1:] if argv is None else argv, default="")
-  parser = argparse.ArgumentParser(prog="python -m zerojax.config", description=main.__doc__)
+  parser = ArgumentParser(prog="python -m zerojax.config", description=main.__doc__)
   parser.add_argument("--num_devices", type=int, help="check the mesh and batch against this many devices")
-  args = parser.parse_args(rest)  # --help, and unknown arguments exit here (status 2).
+  args = parser.parse_args(rest)
   if not path:
     raise ConfigError("no config file given.", source="the command line", fix="pass --config configs/tiny.py")
   config = load_config(path, overrides, num_devices=args.num_devices)

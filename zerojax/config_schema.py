@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -42,6 +43,18 @@ _ALIASES = {
     "lr": "use optimizer.learning_rate", "warmup": "use optimizer.warmup_steps",
     "steps": "use train.steps", "max_steps": "use train.steps", "num_train_steps": "use train.steps",
     "train_steps": "use train.steps", "total_steps": "use train.steps",
+    # Nested DeepSpeed JSON keys (a ds_config.json passed as --config lists these).
+    "zero_optimization.stage": "use zero.stage", "steps_per_print": "use train.log_every",
+    "fp16.enabled": _FP16, "bf16.enabled": _PRECISION,
+    "fp16.initial_scale_power": "use precision.loss_scale.initial_power",
+    "fp16.loss_scale_window": "use precision.loss_scale.window",
+    "fp16.hysteresis": "use precision.loss_scale.hysteresis",
+    "fp16.min_loss_scale": "use precision.loss_scale.min_scale",
+    "fp16.loss_scale": "precision.loss_scale.* is always dynamic (DeepSpeed's loss_scale 0)",
+    "optimizer.type": "use optimizer.name (adamw | lion | sgd)", "betas": "use optimizer.b1, optimizer.b2",
+    "eps": "use optimizer.eps", "weight_decay": "use optimizer.weight_decay",
+    "scheduler.type": "use optimizer.schedule (constant | cosine | linear)",
+    "warmup_num_steps": "use optimizer.warmup_steps", "total_num_steps": "use train.steps",
 }
 _ENUMS: dict[str, tuple[Any, ...]] = {
     "precision.param_dtype": _PARAM_DTYPES, "precision.compute_dtype": _PARAM_DTYPES,
@@ -167,11 +180,29 @@ def closest(key: str, candidates: Sequence[str]) -> list[str]:
   return list(dict.fromkeys(found))[:4]
 
 
+def alias(key: str, *, groups: bool = True) -> str | None:
+  """Where a DeepSpeed / PyTorch name (dotted, at any depth) lives here, from `_ALIASES`.
+
+  Tries the whole key, then (with `groups`) its enclosing groups, then its last part.
+  """
+  parts = key.split(".")
+  names = [".".join(parts[:n]) for n in range(len(parts), 0 if groups else len(parts) - 1, -1)]
+  return next((_ALIASES[n] for n in names + [parts[-1]] if n in _ALIASES), None)
+
+
+def deepspeed_keys(tree: Mapping[str, Any]) -> str:
+  """The zerojax keys that correspond to a DeepSpeed JSON config's settings, one per line."""
+  leaves, _ = flatten(tree)
+  # Not by group: zero_optimization.overlap_comm has nothing to do with zero.stage.
+  known = [f"{k} = {json.dumps(v)}: {alias(k, groups=False)}" for k, v in leaves.items()
+           if alias(k, groups=False)]
+  unknown = [k for k in leaves if not alias(k, groups=False)]
+  return "\n    ".join(known + ([f"no zerojax setting: {', '.join(unknown)}"] if unknown else []))
+
+
 def unknown_key(key: str, source: str) -> ConfigError:
   leaves, _ = schema()
-  parts = key.split(".")
-  names = [".".join(parts[:n]) for n in range(len(parts), 0, -1)] + [parts[-1]]
-  hint = next((_ALIASES[n] for n in names if n in _ALIASES), None)
+  hint = alias(key)
   near = closest(key, list(leaves))
   problem = "no such key in the schema (configs/base.py)."
   if hint:

@@ -7,7 +7,6 @@
 Exit status: 0 fits (or no --device-memory given), 1 does not fit, 2 bad config.
 """
 
-import argparse
 import dataclasses
 import json
 import os
@@ -180,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import load_config, parse_argv  # pylint: disable=import-outside-toplevel
+  from zerojax.config import (ArgumentParser, load_config,  # pylint: disable=import-outside-toplevel
+                              parse_argv)
   path, overrides, rest = parse_argv(argv)
-  p = argparse.ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
+  p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
   p.add_argument("--devices", type=int, required=True, help="devices the run uses")
   p.add_argument("--device-memory", "--device_memory", default="",
                  help="memory per device, e.g. 80GiB or 141GB; gives a verdict and suggestions")
@@ -229,3 +229,26 @@ def device_memory(device) -> int:
   except Exception:  # pylint: disable=broad-except  # Backends without memory stats.
     return 0
   return int(stats.get("bytes_limit", 0))
+
+
+def host_memory_available() -> int:
+  """Bytes of host memory free for new allocations, or 0 where unknown.
+
+  Linux's MemAvailable (free plus reclaimable cache), capped by a cgroup v2 limit (a
+  container's) where one is set; elsewhere the free pages `os.sysconf` reports.
+  """
+  try:
+    with open("/proc/meminfo") as f:
+      free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+  except (OSError, StopIteration, ValueError):
+    try:
+      free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+      return 0
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+      free = min(free, int(f.read()) - int(g.read()))
+  except (OSError, ValueError):  # No cgroup v2, or "max": no limit.
+    pass
+  return max(free, 0)
+

@@ -182,6 +182,21 @@ def check_config(folder: str, model: Any) -> None:
         fix=" ".join(f"--config.model.{k}={hf[k]}" for k in differ))
 
 
+def seq_len_warning(folder: str, seq_len: int) -> str | None:
+  """A warning if `seq_len` is longer than config.json's `max_position_embeddings`, else None.
+
+  A warning, not an error: RoPE runs at any position, and training past the model's
+  context is how context is extended, but done by mistake it trains on positions the
+  model never saw (with a Llama 3.1 rope_scaling, on frequencies tuned for shorter).
+  """
+  limit = read_config(folder).get("max_position_embeddings")
+  if not isinstance(limit, int) or seq_len <= limit:
+    return None
+  return (f"warning: train.seq_len={seq_len} is longer than max_position_embeddings={limit} in "
+          f"{os.path.join(folder, 'config.json')}: positions past {limit} are new to this model "
+          f"(fine to extend its context on purpose; else use --config.train.seq_len={limit} or less)")
+
+
 def _expected(c: LlamaConfig) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
   """{our leaf path: (HF name template, transposed, HF tensor shape, our leaf shape)}."""
   D, F, V = c.d_model, c.d_ff, c.vocab_size

@@ -1,0 +1,138 @@
+"""Command-line and input mistakes end as one `error:` line and exit status 2, in real processes.
+
+train.py and the `python -m zerojax.config` / `zerojax.memory` CLIs: mistakes on the
+command line (before JAX starts a backend too), a config that is not a Python file, a
+data path that is a directory, a token file changed under a running job, a CPU step
+larger than the host's memory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from zerojax import exits, memory_report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(REPO, "train.py")
+TINY = os.path.join(REPO, "configs", "tiny.py")
+
+
+def run(*args: str, devices: int = 8, timeout: float = 120) -> subprocess.CompletedProcess:
+  """`python *args` on `devices` CPU devices (0: XLA's default of one)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices else "")
+  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def assert_one_error(result: subprocess.CompletedProcess, *words: str) -> str:
+  """Exit 2, the first stderr line is the only `error:` line, no traceback; returns stderr."""
+  err = result.stderr
+  assert result.returncode == exits.BAD_INPUT, (result.returncode, err[-3000:])
+  assert err.startswith("error: ") and "Traceback" not in err and "usage:" not in err, err[-3000:]
+  assert sum(line.startswith("error:") for line in err.splitlines()) == 1, err
+  for word in words:
+    assert word in err, (word, err)
+  return err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("cli")
+  (tmp / "a_file").write_text("not a directory")
+  (tmp / "ds_config.json").write_text(json.dumps({
+      "train_batch_size": 32, "gradient_clipping": 1.0, "wall_clock_breakdown": False,
+      "fp16": {"enabled": True, "initial_scale_power": 32}, "zero_optimization": {"stage": 3}}))
+  (tmp / "base.yml").write_text("train:\n  steps: 10\n")
+  return tmp
+
+
+# (train.py arguments, with {tmp} for the fixture's folder; words the error must hold).
+MISTAKES = [
+    (["--fake_devices", "abc"], ["--fake_devices", "'abc'"]),
+    (["--fake_devices"], ["--fake_devices", "expected one argument"]),
+    (["--fake_devices=-8"], ["--fake_devices", "-8"]),
+    (["--workdir", "{tmp}/a_file"], ["workdir", "a_file is a file, not a directory"]),
+    (["--workdir", "{tmp}/a_file/run"], ["a_file is a file", "would be inside it"]),
+    (["--config", "{tmp}/ds_config.json"],
+     ["not a Python file", "get_config()", "train_batch_size = 32: use train.global_batch_size",
+      "fp16.initial_scale_power = 32: use precision.loss_scale.initial_power",
+      "zero_optimization.stage = 3: use zero.stage", "gradient_clipping = 1.0: use optimizer.grad_clip",
+      "no zerojax setting: wall_clock_breakdown"]),
+    (["--config", "{tmp}/base.yml"], ["base.yml is not a Python file", "get_config()"]),
+    (["configs/tiny.py"], ["'configs/tiny.py' is not an option", "write --config configs/tiny.py"]),
+    (["--confg", "configs/tiny.py"], ["unknown option --confg", "did you mean --config?"]),
+    (["--cofig.zero.stage=2"], ["did you mean --config.zero.stage=2?"]),
+]
+
+
+@pytest.mark.parametrize("args, words", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
+def test_train_command_line_mistake_is_one_error_line(files, args, words):
+  result = run(TRAIN, *[a.format(tmp=files) for a in args], "--dry_run", timeout=60)
+  assert_one_error(result, *words)
+  assert result.stdout == ""  # Nothing ran: not even the config was printed.
+
+
+def test_config_and_memory_clis_treat_mistakes_alike(files):
+  assert_one_error(run("-m", "zerojax.config", "--confg", TINY, timeout=60), "did you mean --config?")
+  assert_one_error(run("-m", "zerojax.config", "--config", str(files / "ds_config.json"), timeout=60),
+                   "use train.global_batch_size")
+  assert_one_error(run("-m", "zerojax.memory", "--config", TINY, "--devices", "8", "tiny.py",
+                       timeout=60), "write --config tiny.py")
+  assert_one_error(run("-m", "zerojax.memory", "--config", TINY, "--devices", "eight", timeout=60),
+                   "--devices", "'eight'")
+
+
+def test_data_error_is_printed_before_the_config(tmp_path):
+  # A directory given as the data path is called a directory, and the error is the first
+  # (and only) thing printed: the config is printed once config and data are good.
+  result = run(TRAIN, "--config", TINY, "--config.data.name=tokens", f"--config.data.path={tmp_path}",
+               timeout=60)
+  assert_one_error(result, str(tmp_path), "is a directory, not a file")
+  assert result.stdout == ""
+
+
+def test_token_file_changed_while_training_exits_2(tmp_path):
+  path = tmp_path / "tokens.bin"
+  np.random.default_rng(0).integers(0, 256, 1 << 18, dtype=np.uint16).tofile(path)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.Popen(
+      [sys.executable, TRAIN, "--config", TINY, "--config.data.name=tokens", f"--config.data.path={path}",
+       "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.eval_every=0",
+       "--config.train.eval_batches=1"],
+      cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  try:
+    for line in proc.stdout:  # Training is under way once step 2 is reported.
+      if line.startswith("step      2/"):
+        break
+    else:
+      pytest.fail(proc.stderr.read()[-3000:])
+    # Each progress line comes just before the next batch is read; the step after it then
+    # runs for most of a second. Truncated in place mid-step, the next batch read from the
+    # memory map would be a SIGBUS (exit -7, no message) without the check before it.
+    time.sleep(0.2)
+    with open(path, "r+b") as f:
+      f.truncate(4096)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+  assert_one_error(result, f"{path} (data.path): changed while training (size {2 << 18} -> 4096 bytes)")
+  assert "done:" not in out
+
+
+@pytest.mark.slow
+def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
+  # configs/8b_bf16.py on one CPU device: 121.06 GiB compiled per device (measured). A
+  # --dry_run allocates nothing and is not checked (test_train's 70B dry run).
+  if memory_report.host_memory_available() > 160 * 2**30:
+    pytest.skip("this host has the memory to run 8B on its CPU: nothing to refuse")
+  result = run(TRAIN, "--config", os.path.join(REPO, "configs", "8b_bf16.py"), devices=0, timeout=300)
+  assert_one_error(result, "the step needs 121.06 GiB of host memory", "available",
+                   "the memory plan above")
+  assert "verdict: does NOT fit" in result.stdout and "changes that make it fit" in result.stdout
