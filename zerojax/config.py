@@ -1,7 +1,7 @@
 """Loading, overriding and strictly validating zerojax configs.
 
-A config is a Python file whose `get_config()` starts from the schema in
-`configs/base.py` (`base_config()` here) and changes values. Command-line
+A config is a Python file whose `get_config()` starts from the schema's defaults
+(`base_config()`, from `zerojax.schema`) and changes values. Command-line
 overrides use ml_collections' `--config.a.b=value` syntax. Every mistake becomes
 one `ConfigError` that names the key, where the value came from and the fix,
 before any device work starts.
@@ -27,8 +27,9 @@ from typing import Any
 
 import ml_collections
 
-from zerojax.config_schema import (ConfigError, Source, base_config, check_tree, check_value, flatten,
-                                   group_error, parent_of, schema, source_of, type_name, unknown_key)
+from zerojax.config_schema import (ConfigError, Source, check_tree, check_value, flatten, group_error,
+                                   parent_of, schema, source_of, type_name, unknown_key)
+from zerojax.schema import base_config, describe
 
 __all__ = ["ConfigError", "base_config", "load_config", "parse_argv", "validate", "resolve_mesh_shape",
            "apply_override", "exit_on_config_error"]
@@ -410,7 +411,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   path, overrides, rest = parse_argv(sys.argv[1:] if argv is None else argv, default="")
   parser = argparse.ArgumentParser(prog="python -m zerojax.config", description=main.__doc__)
   parser.add_argument("--num_devices", type=int, help="check the mesh and batch against this many devices")
+  parser.add_argument("--keys", action="store_true", help="print every config key: default, choices, help")
   args = parser.parse_args(rest)  # --help, and unknown arguments exit here (status 2).
+  if args.keys:
+    print(describe())
+    return 0
   if not path:
     raise ConfigError("no config file given.", source="the command line", fix="pass --config configs/tiny.py")
   config = load_config(path, overrides, num_devices=args.num_devices)

@@ -55,7 +55,7 @@ _LEAVES = (
     (("norm", "scale"), "model.norm.weight", False),
     (("lm_head", "kernel"), "lm_head.weight", True),
 )
-# The zerojax `model.*` keys an HF config determines, in configs/base.py's names.
+# The zerojax `model.*` keys an HF config determines, in the schema's names (zerojax/schema.py).
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_context", "norm_eps", "tie_embeddings")
@@ -91,7 +91,7 @@ def read_config(folder: str) -> dict:
 
 
 def config_overrides(folder: str) -> dict[str, Any]:
-  """The zerojax `model.*` values (configs/base.py names) of a HF Llama folder.
+  """The zerojax `model.*` values (the schema's names) of a HF Llama folder.
 
   Reads both RoPE conventions: `rope_theta` / `rope_scaling` at the top level
   (transformers 4.x) and `rope_parameters: {rope_theta, rope_type, factor, ...}`
@@ -99,7 +99,7 @@ def config_overrides(folder: str) -> dict[str, Any]:
 
   Returns:
     {key: value} for every key of `MODEL_KEYS`; without scaling the factor is 0.0 and
-    the other three RoPE keys keep configs/base.py's defaults.
+    the other three RoPE keys keep the schema's defaults.
 
   Raises:
     HFError: a missing key, or a feature our Llama lacks (biases, another head_dim,
@@ -165,7 +165,7 @@ def check_config(folder: str, model: Any) -> None:
 
   Args:
     folder: the HF folder.
-    model: the config's `model` section (ConfigDict or dict with configs/base.py keys).
+    model: the config's `model` section (ConfigDict or dict with the schema's keys).
   """
   if model["name"] != "llama":
     raise HFError(f"model.name is {model['name']!r}, the folder holds a Llama", path=folder,
