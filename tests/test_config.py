@@ -342,3 +342,31 @@ def test_argument_parser_mistakes_are_config_errors():
                      (["--xyzzy"], "--config.a.b=value")]:
     with pytest.raises(zc.ConfigError, match=re.escape(text)):
       parser.parse_args(args)
+
+
+@pytest.mark.slow
+def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
+  """A built wheel, installed on its own (no checkout on sys.path), runs a copied config and train.py.
+
+  The schema is in the package, so nothing depends on a `configs/` folder beside it.
+  """
+  wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
+  pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+  subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), REPO], check=True, capture_output=True)
+  wheel = next(wheels.glob("zerojax-*.whl"))
+  subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
+                 capture_output=True)
+  elsewhere.mkdir()
+  for name in ("train.py", "configs/tiny.py"):
+    (elsewhere / os.path.basename(name)).write_text(open(os.path.join(REPO, name)).read())
+  env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run([sys.executable, *args], cwd=elsewhere, env=env,  # noqa: E731
+                                     capture_output=True, text=True, timeout=300)
+  where = run("-c", "import zerojax; print(zerojax.__file__)")
+  assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+  printed = run("-m", "zerojax.config", "--config", "tiny.py")
+  assert printed.returncode == 0 and "stage: 3" in printed.stdout, printed.stderr
+  trained = run("train.py", "--config", "tiny.py", "--config.train.steps=20",
+                "--config.optimizer.warmup_steps=5", "--config.train.eval_every=0")
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  assert "done: 20 steps" in trained.stdout + trained.stderr

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from zerojax import make_mesh, make_plan
+from zerojax import exits, export, make_mesh, make_plan
 from zerojax.models import hf, llama
 from zerojax.models.llama import LlamaLM
 
@@ -348,7 +348,7 @@ def test_train_init_from_hf(tmp_path, capsys):
   # The CLI's main in this process (no second interpreter and JAX start-up): the same
   # 8 CPU devices the command would have, restored at stage 3 over all of them.
   capsys.readouterr()
-  assert hf.main(["export", "--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+  assert export.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
   assert "wrote" in capsys.readouterr().out
   assert hf.config_overrides(str(tmp_path / "out")) == hf.config_overrides(str(tmp_path / "hf"))
   trained = hf.load_params(str(tmp_path / "out"), plan)
@@ -360,3 +360,13 @@ def test_train_init_from_hf(tmp_path, capsys):
   code = run([*TRAIN_ARGS[1:], *model_args, "--config.model.d_ff=128", *run_args[:-1],
               f"--config.workdir={tmp_path / 'other'}"])
   assert code == 2 and "model.d_ff: config 128, config.json 64" in capsys.readouterr().err
+
+
+def test_export_without_a_checkpoint_is_one_error_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "zerojax.export", "--workdir", str(tmp_path), "--out",
+       str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == exits.BAD_INPUT, result.stderr[-2000:]
+  assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+  assert "no checkpoints directory" in result.stderr and not (tmp_path / "out").exists()

@@ -13,6 +13,7 @@ import pytest
 import zerojax
 from zerojax import hlo
 from zerojax.models import llama
+from zerojax.models.mlp_lm import MlpLM
 
 LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        # Small, so T=24 positions reach the scaled frequencies.
@@ -246,8 +247,36 @@ def test_param_count_tied_and_config_errors():
   hash(SMALL)  # Usable as a static argument / Flax attribute.
 
 
+@pytest.mark.parametrize("model", [
+    llama.LlamaLM(SMALL), llama.LlamaLM(dataclasses.replace(SMALL, tie_embeddings=True)),
+    MlpLM(vocab_size=64, d_model=32, d_ff=48, n_layers=3, context=4)], ids=["llama", "tied", "mlp_lm"])
+def test_param_shapes_are_what_init_makes(model):
+  """The one written-out copy of the shapes (planner, HF mapping, param_count) is the
+  model's: same leaves, shapes and logical axes as `jax.eval_shape` of its init."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  made = {tuple(k.key for k in path): (x.shape, names) for (path, x), names in zip(
+      jax.tree_util.tree_leaves_with_path(shapes),
+      jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, tuple)))}
+  assert model.param_shapes() == made
+  if isinstance(model, llama.LlamaLM):
+    assert llama.param_count(model.config) == sum(math.prod(s) for s, _ in made.values())
+
+
+def test_config_from_model_keys_takes_fields_by_name():
+  from zerojax.schema import base_config  # pylint: disable=import-outside-toplevel
+  m = base_config().model
+  m.update(d_model=64, n_heads=8, rope_scaling_factor=8.0, rope_original_context=64, context=3)
+  c = llama.LlamaConfig.from_keys(m, param_dtype=jnp.float32)
+  assert (c.d_model, c.n_heads, c.remat, c.param_dtype) == (64, 8, m.remat, jnp.float32)
+  assert dict(c.rope_scaling) == dict(factor=8.0, low_freq_factor=m.rope_low_freq_factor,
+                                      high_freq_factor=m.rope_high_freq_factor,
+                                      original_max_position_embeddings=64)
+  m.rope_scaling_factor = 0.0  # Off: no scaling, whatever the other three say.
+  assert llama.LlamaConfig.from_keys(m).rope_scaling is None
+
+
 def test_auto_attention_picks_cudnn_only_on_gpu_in_16_bit():
-  from zerojax.models.llama import attention_kernel
+  from zerojax.models.attention import attention_kernel
   assert attention_kernel("auto", jnp.bfloat16) == "blocked"  # This machine: CPU.
   assert attention_kernel("auto", jnp.bfloat16, backend="gpu") == "dot_product"
   assert attention_kernel("auto", jnp.float32, backend="gpu") == "blocked"

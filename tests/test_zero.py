@@ -78,8 +78,6 @@ def test_plan_shards_by_stage_and_keeps_layers_axis_whole():
   assert w_in(plans[2].grad_specs) == P(None, None, "fsdp")
   assert w_in(plans[1].grad_specs) == P(None, None, "fsdp")  # Scattered once, after accumulating.
   assert w_in(plans[0].grad_specs) == P()
-  assert w_in(plans[1].update_specs) == P(None, None, "fsdp")
-  assert w_in(plans[0].update_specs) == P()
   # final_norm (64 elements) is under min_shard_size: replicated at every stage.
   assert plans[3].param_specs["final_norm"] == P()
   assert plans[3].per_layer["layers"]["w_in"] and not plans[3].per_layer["embed"]
@@ -88,6 +86,23 @@ def test_plan_shards_by_stage_and_keeps_layers_axis_whole():
   assert w_in(adam.mu) == w_in(adam.nu) == P(None, None, "fsdp")
   assert adam.count == P()
   assert w_in(plans[0].opt_specs[0].mu) == P()
+
+
+def test_stage_behaviour_names_what_each_stage_does():
+  model, tx = MlpLM(**SMALL), optax.sgd(0.1)
+  plans = {s: setup(model, s, (2, 4), tx) for s in STAGES}
+  b = {s: plans[s].behaviour for s in STAGES}
+  assert [b[s].grad_reduction for s in STAGES] == [
+      "psum", "psum_scatter_once", "psum_scatter_per_microbatch", "psum_scatter_in_gather"]
+  assert [(b[s].shards_params, b[s].shards_grads, b[s].shards_opt_state) for s in STAGES] == [
+      (False, False, False), (False, False, True), (False, True, True), (True, True, True)]
+  # One shard (a 'data'-only mesh): nothing to shard or gather, so stage 3 runs as 0 does,
+  # and the planner, which builds no plan, gets the same answer from the same rule.
+  one = setup(model, 3, (8, 1), tx)
+  assert one.stage == 3 and one.behaviour == zerojax.StageBehaviour.of(0, 8)
+  assert one.behaviour == zerojax.StageBehaviour.of(3, 1) and one.behaviour.stage == 0
+  assert one.param_specs == jax.tree.map(lambda _: P(), one.param_specs,
+                                         is_leaf=lambda s: isinstance(s, P))
 
 
 def test_plan_rejects_bad_input():
@@ -107,7 +122,7 @@ def test_plan_rejects_bad_input():
 def test_mesh_resolves_rest_and_rejects_mismatch():
   assert dict(zerojax.make_mesh(2, -1).shape) == {"data": 2, "fsdp": 4}
   assert dict(zerojax.make_mesh(-1, 2).shape) == {"data": 4, "fsdp": 2}
-  with pytest.raises(ValueError, match="cannot cover"):
+  with pytest.raises(ValueError, match="cannot take the rest"):
     zerojax.make_mesh(3, -1)
   with pytest.raises(ValueError, match="available"):
     zerojax.make_mesh(2, 2)

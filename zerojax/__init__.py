@@ -9,7 +9,9 @@ layer's params so that stage 3 gathers one layer at a time.
 from zerojax.mesh import make_mesh
 from zerojax.step import (TrainState, abstract_state, init_state, make_eval_step,
                           make_train_step)
-from zerojax.zero import Sharded, ZeroPlan, flax_logical_axes, gather, make_plan
+from zerojax.stage3 import Sharded, gather
+from zerojax.zero import StageBehaviour, ZeroPlan, flax_logical_axes, make_plan
 
-__all__ = ["Sharded", "TrainState", "ZeroPlan", "abstract_state", "flax_logical_axes", "gather",
-           "init_state", "make_eval_step", "make_mesh", "make_plan", "make_train_step"]
+__all__ = ["Sharded", "StageBehaviour", "TrainState", "ZeroPlan", "abstract_state",
+           "flax_logical_axes", "gather", "init_state", "make_eval_step", "make_mesh",
+           "make_plan", "make_train_step"]

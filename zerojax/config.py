@@ -1,7 +1,7 @@
 """Loading, overriding and strictly validating zerojax configs.
 
-A config is a Python file whose `get_config()` starts from the schema in
-`configs/base.py` (`base_config()` here) and changes values. Command-line
+A config is a Python file whose `get_config()` starts from the schema's defaults
+(`base_config()`, from `zerojax.schema`) and changes values. Command-line
 overrides use ml_collections' `--config.a.b=value` syntax. Every mistake becomes
 one `ConfigError` that names the key, where the value came from and the fix,
 before any device work starts.
@@ -29,47 +29,30 @@ from typing import Any
 import ml_collections
 
 from zerojax import exits
-from zerojax.config_schema import (ConfigError, Source, base_config, check_tree, check_value, closest,
+from zerojax.config_schema import (ConfigError, Source, check_tree, check_value, closest,
                                    deepspeed_keys, flatten, group_error, parent_of, schema, source_of,
                                    type_name, unknown_key)
+from zerojax.schema import base_config, describe
 
 __all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv", "validate",
            "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
-
-
-def _divisors(n: int) -> list[int]:
-  return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
                        source: Source = "the config") -> tuple[int, int]:
   """Returns the (data, fsdp) mesh shape for `num_devices`, resolving a -1 to the devices left over.
 
+  The arithmetic and its messages are `zerojax.mesh.resolve_shape`'s, in the config's key names.
+
   Raises:
     ConfigError: both sizes are -1, a -1 cannot take an even share, or the product is not num_devices.
   """
-  data, fsdp = config.mesh.data, config.mesh.fsdp
-  src = source_of(source, "mesh.data", "mesh.fsdp")
-  if num_devices < 1:
-    raise ConfigError(f"there are {num_devices} devices; the mesh needs at least one.", key="mesh", source=src)
-  if data == -1 and fsdp == -1:
-    raise ConfigError("mesh.data and mesh.fsdp are both -1; at most one may take the devices left over.",
-                      key="mesh", source=src, fix="give one of them a size, e.g. --config.mesh.data=1")
-  if -1 in (data, fsdp):
-    fixed_key, fixed, free_key = ("mesh.data", data, "mesh.fsdp") if fsdp == -1 else ("mesh.fsdp", fsdp, "mesh.data")
-    if num_devices % fixed:
-      raise ConfigError(f"{fixed_key}={fixed} does not divide the {num_devices} devices evenly, so {free_key}=-1 "
-                        "cannot take the rest.", key=fixed_key, source=src,
-                        fix=f"{fixed_key} sizes that work with {num_devices} devices: "
-                            + ", ".join(map(str, _divisors(num_devices))))
-    rest = num_devices // fixed
-    return (fixed, rest) if fsdp == -1 else (rest, fixed)
-  if data * fsdp != num_devices:
-    pairs = ", ".join(f"data={d} fsdp={num_devices // d}" for d in _divisors(num_devices))
-    raise ConfigError(f"mesh.data={data} x mesh.fsdp={fsdp} = {data * fsdp} devices, but {num_devices} devices "
-                      "are available.", key="mesh.data", source=src,
-                      fix=f"set mesh.fsdp=-1 to use the rest, or one of: {pairs}")
-  return data, fsdp
+  from zerojax.mesh import MeshShapeError, resolve_shape  # pylint: disable=import-outside-toplevel
+  try:
+    return resolve_shape((config.mesh.data, config.mesh.fsdp), num_devices, names=("mesh.data", "mesh.fsdp"))
+  except MeshShapeError as e:
+    raise ConfigError(e.problem, key=e.key or "mesh", source=source_of(source, "mesh.data", "mesh.fsdp"),
+                      fix=e.fix) from None
 
 
 def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: Source) -> None:
@@ -491,7 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   path, overrides, rest = parse_argv(sys.argv[1:] if argv is None else argv, default="")
   parser = ArgumentParser(prog="python -m zerojax.config", description=main.__doc__)
   parser.add_argument("--num_devices", type=int, help="check the mesh and batch against this many devices")
-  args = parser.parse_args(rest)
+  parser.add_argument("--keys", action="store_true", help="print every config key: default, choices, help")
+  args = parser.parse_args(rest)  # --help, and unknown arguments exit here (status 2).
+  if args.keys:
+    print(describe())
+    return 0
   if not path:
     raise ConfigError("no config file given.", source="the command line", fix="pass --config configs/tiny.py")
   config = load_config(path, overrides, num_devices=args.num_devices)

@@ -40,12 +40,14 @@ micro-batches, Lion, and the fewest devices of this size that fit.
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 import sys
 
-from zerojax.models.llama import attention_kernel
-from zerojax.zero import shard_dim
+from zerojax import models
+from zerojax.models.attention import attention_kernel
+from zerojax.zero import StageBehaviour, local_shape, shard_dim
 
 GiB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -83,6 +85,8 @@ class Setup:
   batch: int  # Sequences per device per microbatch.
   microbatches: int
   seq_len: int
+  # The model's own (shape, logical axes) of every parameter leaf (`param_shapes()`).
+  param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
 
   @classmethod
   def from_config(cls, config, devices: int) -> "Setup":
@@ -90,6 +94,7 @@ class Setup:
     from zerojax.config import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
     data, fsdp = resolve_mesh_shape(config, devices)
+    shapes = models.from_config(config).param_shapes().values()
     return cls(
         model=m.name, vocab_size=m.vocab_size, d_model=m.d_model, d_ff=m.d_ff,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, context=m.context,
@@ -100,26 +105,28 @@ class Setup:
         update_rule=o.update_rule, momentum=o.momentum, stage=config.zero.stage,
         min_shard_size=config.zero.min_shard_size, data=data, fsdp=fsdp,
         batch=max(t.global_batch_size // (data * fsdp * t.microbatches), 1),
-        microbatches=t.microbatches, seq_len=t.seq_len)
+        microbatches=t.microbatches, seq_len=t.seq_len,
+        param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes))
 
   @property
   def devices(self) -> int:
     return self.data * self.fsdp
 
+  @property
+  def behaviour(self) -> StageBehaviour:
+    """What the stage shards and how it reduces, as the plan would say (one rule)."""
+    return StageBehaviour.of(self.stage, self.fsdp)
+
 
 def _leaves(s: Setup) -> list[tuple[tuple[int, ...], bool, bool]]:
   """(shape, layer-stacked, vocab-sized) of every parameter leaf, as the model makes them."""
-  V, D, F, L = s.vocab_size, s.d_model, s.d_ff, s.n_layers
-  if s.model == "mlp_lm":
-    layer = [(L, D), (L, s.context, D), (L, D, F), (L, F, D)]
-    vocab = [(V, D), (D, V)]
-  else:
-    q, kv = D, s.n_kv_heads * (D // s.n_heads)
-    layer = [(L, D), (L, D, q), (L, D, kv), (L, D, kv), (L, q, D), (L, D), (L, D, F), (L, D, F),
-             (L, F, D)]
-    vocab = [(V, D)] + ([] if s.tie_embeddings else [(D, V)])
-  return ([(x, True, False) for x in layer] + [(x, False, True) for x in vocab]
-          + [((D,), False, False)])
+  return [(shape, "layers" in names, "vocab" in names) for shape, names in s.param_shapes]
+
+
+def _local_shape(s: Setup, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
+  """One device's shard of a leaf, by the plan's rule (`zero.shard_dim`)."""
+  names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
+  return local_shape(shape, shard_dim(shape, names, s.fsdp, s.min_shard_size), s.fsdp)
 
 
 class Counts(collections.namedtuple("Counts", "total layers local local_layers largest")):
@@ -130,9 +137,7 @@ class Counts(collections.namedtuple("Counts", "total layers local local_layers l
 def param_counts(s: Setup) -> Counts:
   total = layers = local = local_layers = largest = 0
   for shape, layered, _ in _leaves(s):
-    names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
-    dim = shard_dim(shape, names, s.fsdp, s.min_shard_size)
-    n, n_local = math.prod(shape), math.prod(shape) // (s.fsdp if dim is not None else 1)
+    n, n_local = math.prod(shape), math.prod(_local_shape(s, shape, layered))
     total, local = total + n, local + n_local
     if layered:
       layers, local_layers, largest = layers + n, local_layers + n_local, max(largest, n)
@@ -178,11 +183,10 @@ class Estimate:
   @property
   def conventional_per_device(self) -> float:
     """The ZeRO paper's per-device model state, e.g. (4 + K) Psi / N at stage 3."""
-    s, shards = self.setup, self.setup.fsdp
-    c = self.conventional
-    return self.params * (c["params"] / (shards if s.stage >= 3 else 1)
-                          + c["gradients"] / (shards if s.stage >= 2 else 1)
-                          + c["optimizer"] / (shards if s.stage >= 1 else 1))
+    b, shards, c = self.setup.behaviour, self.setup.fsdp, self.conventional
+    return self.params * (c["params"] / (shards if b.shards_params else 1)
+                          + c["gradients"] / (shards if b.shards_grads else 1)
+                          + c["optimizer"] / (shards if b.shards_opt_state else 1))
 
   @property
   def peak_phase(self) -> str:
@@ -219,28 +223,28 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   conventional = dict(params=pb, gradients=4 if s.update_rule == "master" else pb,
                       optimizer=moments * sb + rule)
 
-  local = counts.local if s.stage >= 1 else P  # Elements of sharded state per device.
+  behaviour = s.behaviour
+  local = counts.local if behaviour.shards_opt_state else P  # Sharded state per device.
   other = P - counts.layers
-  full = s.remat == "full" and s.model == "llama"  # zero.scan_layers: fp32 params = grads.
-  comp = {"params": pb * (counts.local if s.stage >= 3 else P),
+  full = s.remat == "full" and s.model == "llama"  # stage3.scan_layers: fp32 params = grads.
+  comp = {"params": pb * (counts.local if behaviour.shards_params else P),
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
   state = sum(comp.values())
-  # On one shard nothing is sharded or gathered: every stage runs as stage 0 does.
-  stage = s.stage if s.fsdp > 1 else 0
-  # Gradients. Stage 3: the model's scan takes fp32 local shards and writes each layer's
-  # fp32 gradient into them (`zero.scan_layers`; other remat policies keep a second copy).
-  # Stages 0-2: the scan's layer gradients come out stacked in the param dtype, then each
-  # leaf is upcast and reduced: scattered per microbatch at stage 2, once after the
-  # whole-gradient accumulation at stage 1, all-reduced whole at stage 0.
-  layer_grads = 0 if stage >= 3 else pb * counts.layers
-  if stage >= 3:
+  # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
+  # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; other remat
+  # policies keep a second copy). Otherwise the scan's layer gradients come out stacked in
+  # the param dtype, then each leaf is upcast and reduced: scattered per microbatch, or
+  # once after the whole-gradient accumulation (scattered or all-reduced).
+  in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
+  layer_grads = 0 if in_gather else pb * counts.layers
+  if in_gather:
     grads = gb * (counts.local if full else counts.local + counts.local_layers)
-  elif stage == 2:
+  elif behaviour.grad_reduction == "psum_scatter_per_microbatch":
     grads = gb * (counts.local + counts.largest)
   else:  # Whole fp32 gradients, and the fp32 params they are taken against.
     grads = gb * (P + (other if full else P))
-  accum = ab * (counts.local if stage >= 2 else P) if s.microbatches > 1 else 0
+  accum = ab * (counts.local if behaviour.shards_grads else P) if s.microbatches > 1 else 0
 
   # Activations of one microbatch. Saved for the backward pass, per layer and token:
   if s.model == "mlp_lm":  # Rough: not calibrated.
@@ -249,7 +253,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
     width = {"full": D, "dots": 3 * D + 2 * kv + 2 * F,
              "none": 3 * D + 2 * kv + 6 * F + 8 * D}[s.remat]
   saved = L * n * width * cb
-  if s.remat == "none" and stage >= 3:
+  if s.remat == "none" and behaviour.shards_params:
     saved += pb * counts.layers  # Every layer's gathered weights, kept for the backward.
   # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
   # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
@@ -266,7 +270,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   loss = b * min(s.loss_chunk, T) * V * 4  # A chunk of fp32 logits (or their gradient).
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
-  if stage >= 3:
+  if behaviour.shards_params:
     gathered = counts.layers // L * 4  # One layer, gathered (XLA:CPU gathers in fp32).
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
     vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0
@@ -278,12 +282,12 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
            "gathered head": vocab_gathered, "head gradient": head_grad, "loss chunk": loss,
            "embedding copy": copies}
   # The temporaries alive together in each phase of the step; the peak is the largest.
-  # Stage 3's fp32 gradients live through the backward; below, they appear at its end.
+  # Gradients reduced in the gathers live through the backward; others appear at its end.
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
             "gathered head", "embedding copy"]
   parts = {"layer backward": during + ["working set", "gathered layer"],
            "loss backward": during + ["loss chunk", "head gradient"]}
-  if stage <= 2:  # Activations are gone; the fp32 gradients are made and reduced.
+  if not in_gather:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
     parts["end of backward"] = ["gradients", "accumulator", "embedding copy"]
   comp.update(temps)
@@ -391,18 +395,13 @@ def suggestions(config, devices: int | None = None,
 
 def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
   """Compiled temporaries at the peak, by estimate component, from their shapes."""
-  V, D, L, T, b, N = s.vocab_size, s.d_model, s.n_layers, s.seq_len, s.batch, s.fsdp
-
-  def local(shape, layered):
-    names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
-    dim = shard_dim(shape, names, N, s.min_shard_size)
-    return tuple(n // N if d == dim else n for d, n in enumerate(shape))
-
+  V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.seq_len, s.batch
+  local = functools.partial(_local_shape, s)
   leaves = _leaves(s)
   stacks = {x for x, layered, _ in leaves if layered} | {local(x, True) for x, l, _ in leaves if l}
   layer = {x[1:] for x, layered, _ in leaves if layered}
   vocab, vocab_local = {(V, D), (D, V)}, {local(x, False) for x, _, v in leaves if v}
-  out, stage = collections.Counter(), s.stage if s.fsdp > 1 else 0
+  out, gathers = collections.Counter(), s.behaviour.shards_params
   for size, text, _ in buffers:
     m = re.match(r"(\w+)\[([\d,]*)\]", text)
     shape, f32 = tuple(int(x) for x in m.group(2).split(",") if x) if m else (), text[:3] == "f32"
@@ -411,14 +410,14 @@ def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
     elif shape in stacks:
       key = "gradients" if f32 else "layer gradients"
     elif shape in vocab:
-      key = (("head gradient" if f32 else "gathered head") if stage >= 3
+      key = (("head gradient" if f32 else "gathered head") if gathers
              else "gradients" if f32 else "embedding copy")
     elif shape in vocab_local and f32:
       key = "gradients"
     elif len(shape) >= 3 and shape[0] == L and (b * T in shape or shape[1:3] == (b, T)):
       key = "saved activations"
     elif shape in layer:
-      key = "gathered layer" if stage >= 3 else "working set"
+      key = "gathered layer" if gathers else "working set"
     elif V in shape:
       key = "loss chunk"
     else:

@@ -53,15 +53,17 @@ def _cpu_without_memory_flags() -> bool:
 
 
 def _labels(s: Setup) -> dict:
-  shard = lambda on: f", /{s.fsdp}" if on and s.fsdp > 1 else ""
+  b = s.behaviour
+  shard = lambda on: f", /{s.fsdp}" if on else ""
   moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
-  stage = s.stage if s.fsdp > 1 else 0
-  grads = {3: "local shards", 2: f"/{s.fsdp} + one leaf whole"}.get(stage, "whole + fp32 params")
+  grads = {"psum_scatter_in_gather": "local shards",
+           "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
+               b.grad_reduction, "whole + fp32 params")
   return {
-      "params": f"params ({s.param_dtype}{shard(s.stage >= 3)})",
-      "optimizer": f"optimizer {moments} ({s.state_dtype}{shard(s.stage >= 1)})",
+      "params": f"params ({s.param_dtype}{shard(b.shards_params)})",
+      "optimizer": f"optimizer {moments} ({s.state_dtype}{shard(b.shards_opt_state)})",
       "update buffer": f"{s.update_rule} buffer ({'float32' if s.update_rule == 'master' else s.param_dtype}"
-                       f"{shard(s.stage >= 1)})",
+                       f"{shard(b.shards_opt_state)})",
       "layer gradients": f"layer gradients, stacked ({s.param_dtype})",
       "gradients": f"gradients ({s.reduce_dtype}, {grads})",
       "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",

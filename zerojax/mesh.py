@@ -6,6 +6,7 @@ and reduce-scatters on the fast intra-node links, and only the (already sharded,
 gradient all-reduce crosses nodes: hybrid sharding.
 """
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -17,35 +18,68 @@ from jax.sharding import AxisType, Mesh
 MESH_AXES = ("data", "fsdp")
 
 
-def resolve_shape(sizes: Sequence[int], num_devices: int) -> tuple[int, ...]:
+class MeshShapeError(ValueError):
+  """Mesh sizes that cannot cover the devices.
+
+  Attributes:
+    key: the size to change (one of the `names` given to `resolve_shape`), or None.
+    fix: sizes that would work, or None.
+  """
+
+  def __init__(self, problem: str, key: str | None = None, fix: str | None = None):
+    super().__init__(problem + (f" ({fix})" if fix else ""))
+    self.problem, self.key, self.fix = problem, key, fix
+
+
+def resolve_shape(sizes: Sequence[int], num_devices: int,
+                  names: Sequence[str] = MESH_AXES) -> tuple[int, ...]:
   """Fills in a single -1 with the devices left over.
+
+  The one place mesh sizes are resolved: `make_mesh` and the config's checks
+  (`zerojax.config.resolve_mesh_shape`, which passes its keys as `names`).
 
   Args:
     sizes: one size per mesh axis; at most one may be -1.
     num_devices: how many devices the mesh must cover.
+    names: what the error messages call each size.
 
   Returns:
     The sizes with -1 resolved.
 
   Raises:
-    ValueError: if the sizes cannot cover exactly `num_devices` devices.
+    MeshShapeError: if the sizes cannot cover exactly `num_devices` devices.
   """
   sizes = tuple(int(s) for s in sizes)
-  if sizes.count(-1) > 1:
-    raise ValueError(f"at most one mesh axis may be -1, got {sizes}")
-  if any(s == 0 or s < -1 for s in sizes):
-    raise ValueError(f"mesh sizes must be positive or -1, got {sizes}")
-  known = int(np.prod([s for s in sizes if s != -1]))
-  if -1 in sizes:
+  say = lambda i: f"{names[i]}={sizes[i]}"
+  divisors = [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+  free = [i for i, s in enumerate(sizes) if s == -1]
+  if num_devices < 1:
+    raise MeshShapeError(f"there are {num_devices} devices; the mesh needs at least one.")
+  if len(free) > 1:
+    both = "both" if len(free) == 2 else "all"
+    raise MeshShapeError(f"{' and '.join(names[i] for i in free)} are {both} -1; at most one "
+                         "may take the devices left over.",
+                         fix=f"give one of them a size, e.g. {names[free[0]]}=1")
+  bad = [i for i, s in enumerate(sizes) if s == 0 or s < -1]
+  if bad:
+    raise MeshShapeError(f"{say(bad[0])}: mesh sizes must be positive or -1.", key=names[bad[0]])
+  known = math.prod(s for s in sizes if s != -1)
+  if free:
+    fixed = [i for i in range(len(sizes)) if i not in free]
     if num_devices % known:
-      raise ValueError(
-          f"mesh {sizes} cannot cover {num_devices} devices: {num_devices} is not "
-          f"divisible by {known}")
-    sizes = tuple(num_devices // known if s == -1 else s for s in sizes)
-  if int(np.prod(sizes)) != num_devices:
-    raise ValueError(
-        f"mesh {sizes} has {int(np.prod(sizes))} devices but {num_devices} are "
-        f"available")
+      raise MeshShapeError(
+          f"{' x '.join(map(say, fixed))} does not divide the {num_devices} devices evenly, so "
+          f"{names[free[0]]}=-1 cannot take the rest.", key=names[fixed[0]],
+          fix=f"{names[fixed[0]]} sizes that work with {num_devices} devices: "
+              + ", ".join(map(str, divisors)))
+    return tuple(num_devices // known if s == -1 else s for s in sizes)
+  if known != num_devices:
+    pairs = ", ".join(f"{names[0]}={d} {names[1]}={num_devices // d}" for d in divisors)
+    raise MeshShapeError(
+        f"{' x '.join(map(say, range(len(sizes))))} = {known} devices, but {num_devices} "
+        "devices are available.", key=names[0],
+        fix=f"set {names[-1]}=-1 to use the rest" + (f", or one of: {pairs}"
+                                                     if len(sizes) == 2 else ""))
   return sizes
 
 

@@ -10,7 +10,8 @@ A step has two halves:
    reduce-scatters it in fp32 layer by layer. Stages 2 and 3 reduce-scatter each
    microbatch's gradient into an fp32 accumulator that is already sharded; stage 1
    accumulates locally and reduce-scatters once (each device updates only its shard,
-   so the rest of the sum would be thrown away); stage 0 all-reduces once.
+   so the rest of the sum would be thrown away); stage 0 all-reduces once
+   (`plan.behaviour.grad_reduction` names which).
 2. **The update, per shard** (GSPMD): clipping by the fp32 global norm and the optax
    update run on arrays laid out by the plan, so each device updates only its shard of
    the optimizer state, and any optax transform (global-norm clipping included) sees
@@ -21,7 +22,7 @@ A step has two halves:
    one layer's.
 
 Memory: beyond the state, a stage-3 step needs one fp32 gradient per local param
-(with `zero.scan_layers` the fp32 params made for differentiation become it), the
+(with `stage3.scan_layers` the fp32 params made for differentiation become it), the
 layer inputs saved for the backward pass, the gathered embedding and head, and one
 layer's worth of the rest (`benchmarks/memory_70b.py` shows where it goes).
 """
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import optim, precision, zero
+from zerojax import optim, precision, stage3, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -129,16 +130,16 @@ def _check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
 def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
   """What the model sees of one device's params: their own dtype, gathered by stage.
 
-  At stage 3 leaves the model gathers per layer become `zero.Sharded`, the other
-  sharded leaves are gathered here; below stage 3 params are whole already. `params`
+  With sharded params, leaves the model gathers per layer become `stage3.Sharded`, the
+  other sharded leaves are gathered here; otherwise params are whole already. `params`
   may be in another dtype (the reduce dtype, when differentiating).
   """
   def leaf(p, d, layered, like):
-    if plan.stage < 3 or d is None:
+    if not plan.behaviour.shards_params or d is None:
       return p.astype(like.dtype)
     if layered:
-      return zero.Sharded(p, d - p.ndim, plan.shard_axes, like.dtype)
-    return zero.gather_leaf(p, d, plan.shard_axes, like.dtype)
+      return stage3.Sharded(p, d - p.ndim, plan.shard_axes, like.dtype)
+    return stage3.gather_leaf(p, d, plan.shard_axes, like.dtype)
   return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, plan.params,
                       is_leaf=lambda d: d is None)
 
@@ -150,13 +151,15 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
   The grads are the sums over devices and microbatches of the (loss-scaled)
   gradients; the update half scales them to the mean.
   """
-  dims, stage, axes = plan.param_dims, plan.stage, plan.shard_axes
+  dims, axes, behaviour = plan.param_dims, plan.shard_axes, plan.behaviour
+  per_microbatch = behaviour.grad_reduction == "psum_scatter_per_microbatch"
   is_dim = lambda d: d is None
   sharded = lambda d: d is not None
 
   def scatter(g):
-    """Stage 2 reduce-scatters each microbatch's gradient (stage 3 already did)."""
-    if stage != 2:
+    """Reduce-scatters each microbatch's gradient where the accumulator is sharded and
+    no gather's backward pass did so already."""
+    if not per_microbatch:
       return g
     return jax.tree.map(
         lambda g, d: g if d is None else jax.lax.psum_scatter(
@@ -171,9 +174,10 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     """
     def leaf(g, d):
       g = g.astype(reduce_dtype)
-      if stage == 1 and sharded(d):  # Half an all-reduce's traffic: the update is per shard.
+      if behaviour.grad_reduction == "psum_scatter_once" and sharded(d):
+        # Half an all-reduce's traffic: the update is per shard.
         g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-      done = stage >= 1 and sharded(d)
+      done = behaviour.shards_opt_state and sharded(d)  # Summed over the ZeRO axes.
       over = [a for a in (plan.replica_axes if done else plan.data_axes)
               if plan.mesh.shape[a] > 1]
       if over:
@@ -183,8 +187,10 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
 
   def acc_zeros(params):
     def leaf(p, d):
-      done = stage == 2 and sharded(d)
-      shape = zero.local_shape(p.shape, d if done else None, plan.num_shards)
+      # `p` is what this device holds (a shard if params are sharded); scattered each
+      # microbatch, a whole param's gradient is summed into one shard.
+      scattered = per_microbatch and sharded(d)
+      shape = zero.local_shape(p.shape, d if scattered else None, plan.num_shards)
       return jnp.zeros(shape, accum_dtype)
     return jax.tree.map(leaf, params, dims, is_leaf=is_dim)
 
@@ -203,7 +209,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     def body(acc, xs):
       mb, i = xs
       # Cast in the loop: a model may write its gradient over these fp32 params
-      # (`zero.scan_layers`), so each microbatch differentiates a fresh copy.
+      # (`stage3.scan_layers`), so each microbatch differentiates a fresh copy.
       p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
       (_, (loss, aux)), g = jax.value_and_grad(objective, has_aux=True)(
           p32, mb, jax.random.fold_in(rng, i))
@@ -327,7 +333,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     plan: the ZeRO plan of the params and optimizer state.
     loss_fn: `(params, batch, rng) -> loss` or `(loss, aux_dict)`, the mean over the
       examples it is given (one device's microbatch). At stage 3 the layer-stacked
-      params arrive as `zero.Sharded` leaves: call `zerojax.gather` on each layer's
+      params arrive as `zerojax.Sharded` leaves: call `zerojax.gather` on each layer's
       slice inside the scan body.
     tx: any optax transform. It runs on sharded arrays under GSPMD, so transforms
       that reduce over the whole tree (global-norm clipping) stay correct.
@@ -362,7 +368,8 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype)
 
   shardings = state_shardings(plan)
-  update_shardings = plan.shardings(plan.update_specs)
+  # The update runs in the reduced gradient's layout: each device its shard (or all).
+  update_shardings = plan.shardings(plan.grad_specs)
   by_layer = _can_update_by_layer(plan, tx)
   if update_by_layer and not by_layer:
     raise ValueError(

@@ -1,26 +1,26 @@
-"""The ZeRO plan: which dimension of which leaf is sharded, and where it is gathered.
+"""The ZeRO plan: which dimension of which leaf is sharded, and who uses those dimensions.
 
 One plan serves all four stages. For every parameter leaf it fixes a *shard
 dimension* (or none, for small or indivisible leaves) and whether the model gathers it
-one layer at a time inside its scan. The stage then only decides who uses those
-dimensions:
+one layer at a time inside its scan. The stage then only decides what is sharded and
+how the gradient is reduced, and `StageBehaviour` says so in words the step, the
+planner (`zerojax.memory`) and its report all read:
 
-| stage | params   | gradients (after reduction)  | optimizer state |
-| ----- | -------- | ---------------------------- | --------------- |
-| 0     | replicated | replicated (all-reduce)    | replicated      |
-| 1     | replicated | replicated (all-reduce)    | sharded         |
-| 2     | replicated | sharded (reduce-scatter)   | sharded         |
-| 3     | sharded    | sharded (reduce-scatter)   | sharded         |
+| stage | params     | gradient reduction (accumulated over microbatches)      | optimizer state, update |
+| ----- | ---------- | ------------------------------------------------------- | ----------------------- |
+| 0     | replicated | all-reduce once (`psum`)                                | replicated              |
+| 1     | replicated | reduce-scatter once (`psum_scatter_once`)               | sharded                 |
+| 2     | replicated | reduce-scatter each microbatch into a sharded accumulator | sharded               |
+| 3     | sharded    | reduce-scatter inside the gather's backward pass        | sharded                 |
 
-At stage 3 the train step hands the model `Sharded` leaves for the layer-stacked
-parameters; the model calls `gather` on one layer's slice inside its scan body. The
-gather is an all-gather in the parameter dtype whose backward pass upcasts the
-cotangent to the reduce dtype and reduce-scatters it, so neither the whole gathered
-model nor its whole gradient is ever alive at once.
+From stage 1 each device updates only its shard, so it needs only its shard of the
+summed gradient: a reduce-scatter, half an all-reduce's traffic on the wire. With one
+shard nothing is sharded or gathered and every stage runs as stage 0 does.
+
+The stage-3 runtime (`Sharded`, `gather`, `scan_layers`) is `zerojax.stage3`'s.
 """
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -37,175 +37,6 @@ PyTree = Any
 # Logical axis name of the stacked-layers dimension (flax's nn.scan convention). A leaf
 # with this axis is gathered per layer at stage 3 and never sharded along it.
 LAYERS_AXIS = "layers"
-
-
-@jax.tree_util.register_pytree_node_class
-class Sharded:
-  """A stage-3 parameter shard that the model must `gather` before use.
-
-  Attributes:
-    value: the local shard, in the reduce dtype (the step differentiates with respect
-      to it, so its gradient comes back already reduce-scattered).
-    dim: the sharded dimension counted from the end (negative), so it stays right
-      after `lax.scan` slices off the leading layers axis.
-    axes: mesh axes the leaf is sharded over.
-    dtype: the dtype the gathered parameter is used in.
-  """
-
-  def __init__(self, value: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any):
-    self.value, self.dim, self.axes, self.dtype = value, dim, axes, dtype
-
-  def tree_flatten(self):
-    return (self.value,), (self.dim, self.axes, self.dtype)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
-
-  def __repr__(self):
-    return f"Sharded({getattr(self.value, 'shape', '?')}, dim={self.dim}, axes={self.axes})"
-
-  def __jax_array__(self):
-    raise TypeError(
-        "a stage-3 parameter shard was used without zerojax.gather(): call "
-        "`zerojax.gather(layer_params)` on each layer's params inside the scan body")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
-  return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
-
-
-def _all_gather_fwd(x, dim, axes, dtype):
-  # The residual is a zero-size array that only carries the primal's dtype.
-  return _all_gather(x, dim, axes, dtype), jnp.zeros((0,), x.dtype)
-
-
-def _all_gather_bwd(dim, axes, dtype, like, cotangent):
-  del dtype
-  # The primal is in the reduce dtype, so the cotangent is upcast *before* the
-  # reduction: the sum over devices happens in fp32 even though the gather was bf16.
-  return (jax.lax.psum_scatter(cotangent.astype(like.dtype), axes,
-                               scatter_dimension=dim, tiled=True),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
-
-
-def gather(tree: PyTree) -> PyTree:
-  """Gathers every `Sharded` leaf of `tree`; other leaves pass through unchanged.
-
-  Call it on one layer's parameters inside the scan body. Outside a stage-3 step the
-  tree holds no `Sharded` leaves and this is the identity, so models stay usable
-  without zerojax. Wrap the scan body in `jax.checkpoint` with a policy that does not
-  save the gathered weights (`nothing_saveable`, `dots_with_no_batch_dims_saveable`):
-  without it the backward pass keeps every layer's gathered weights alive, which is
-  the whole model again.
-
-  Args:
-    tree: a pytree whose leaves are arrays or `Sharded`.
-
-  Returns:
-    The same tree with each `Sharded` leaf replaced by the whole parameter in its
-    compute dtype (shape of the unsharded leaf).
-  """
-  def one(leaf):
-    if not isinstance(leaf, Sharded):
-      return leaf
-    return gather_leaf(leaf.value, leaf.value.ndim + leaf.dim, leaf.axes, leaf.dtype)
-  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
-
-
-def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
-  """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`."""
-  return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
-
-
-def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any) -> PyTree:
-  """`carry = fn(gather(params[i]), carry, *args)` for each layer i, rematerialized.
-
-  The layer loop of a stage-3 model with full remat (each layer's input is saved, its
-  forward recomputed in the backward pass, its weights gathered again there), as
-  `lax.scan` under `jax.checkpoint(policy=nothing_saveable)` would run it, with one
-  difference in memory: the backward pass writes layer i's gradient into the buffer
-  of the stacked `params` themselves, slice i, once layer i is done with them. The
-  train step differentiates with respect to fp32 params (so that every reduction is
-  fp32); JAX's own scan transpose would keep that fp32 copy of the model alive next to
-  a second, zero-initialised fp32 array for the gradients (4 bytes per param more
-  than needed). Here the two share one buffer: XLA updates it in place.
-
-  Args:
-    fn: `(layer_params, carry, *args) -> carry`, one layer (plain arrays: gathered).
-    params: the stacked layer params (leading axis: layers); leaves may be `Sharded`.
-    carry: the layer input (e.g. the residual stream), any pytree.
-    *args: other inputs every layer sees (e.g. rotary tables), differentiable.
-
-  Returns:
-    The last layer's output carry.
-  """
-  return _scan_layers(fn, params, carry, args)
-
-
-def _layer(tree: PyTree, i: jax.Array) -> PyTree:
-  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
-
-
-def _to_bits(x):
-  """The saved layer inputs are kept as their bits (unsigned ints of the same width):
-  XLA:CPU would otherwise turn "slice, then upcast to fp32" in the backward loop into
-  "upcast the whole stack" and hoist that out of the loop (loop-invariant code motion),
-  an fp32 copy of every layer's input."""
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    return x
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def _from_bits(bits, like):
-  return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan_layers(fn, params, carry, args):
-  return jax.lax.scan(lambda c, p: (fn(gather(p), c, *args), None), carry, params)[0]
-
-
-def _scan_layers_fwd(fn, params, carry, args):
-  # Saves each layer's input carry, as full remat does; `params` is an input already.
-  out, inputs = jax.lax.scan(
-      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(_to_bits, c)), carry, params)
-  return out, (params, inputs, args)
-
-
-def _scan_layers_bwd(fn, residuals, ct):
-  params, inputs, args = residuals
-  layers = jax.tree.leaves(params)[0].shape[0]
-  layer_fn = lambda p, c, a: fn(gather(p), c, *a)
-  put = lambda tree, new, i: jax.tree.map(
-      lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), i, 0), tree, new)
-
-  def body(k, state):
-    ct, grads, pending, ct_args = state
-    i = layers - 1 - k
-    # The gradient of layer i + 1 (the previous iteration's) is written first and layer
-    # i's params are read from the result: the read depends on the write, so XLA
-    # updates the buffer in place. Written after the read, some gradients would not
-    # depend on it (a down projection's does not use its own weights), and XLA, unable
-    # to order the two, would copy the whole stack every layer. At k = 0 the index is
-    # clamped to the last layer, whose params `pending` holds unchanged.
-    grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
-    x = jax.tree.map(_from_bits, _layer(inputs, i), ct)
-    _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
-    pending, ct, d_args = vjp(ct)
-    ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, d_args)
-    return ct, grads, pending, ct_args
-
-  zeros = jax.tree.map(jnp.zeros_like, args)
-  ct, grads, pending, ct_args = jax.lax.fori_loop(
-      0, layers, body, (ct, params, _layer(params, layers - 1), zeros))
-  return put(grads, pending, 0), ct, ct_args
-
-
-_scan_layers.defvjp(_scan_layers_fwd, _scan_layers_bwd)
 
 
 def flax_logical_axes(boxed_params: PyTree) -> PyTree:
@@ -240,6 +71,45 @@ def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
   if not candidates:
     return None
   return max(candidates, key=lambda d: (shape[d], -d))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBehaviour:
+  """What a ZeRO stage does, in words: one definition for the step, planner and report.
+
+  Build it with `StageBehaviour.of(stage, num_shards)`; `ZeroPlan.behaviour` is the
+  plan's. The planner makes one from a config without building a plan.
+
+  Attributes:
+    stage: the stage that runs: the configured one, or 0 with one shard (nothing to
+      shard, nothing to gather).
+    shards_params: the stored params are sharded; the model gathers layer-stacked
+      leaves one layer at a time (`zerojax.stage3.gather`), the others are gathered
+      before the loss.
+    shards_grads: the gradient is accumulated over microbatches in sharded form (each
+      device holds its shard's sum, not the whole gradient).
+    shards_opt_state: the optimizer state is sharded and the update runs per shard, on
+      the shard of the reduced gradient it needs.
+    grad_reduction: how the gradient is summed over the devices: 'psum' (all-reduce
+      once, after the microbatches), 'psum_scatter_once' (reduce-scatter once, after
+      them), 'psum_scatter_per_microbatch' (reduce-scatter each microbatch's gradient
+      into the sharded accumulator), 'psum_scatter_in_gather' (in the backward pass
+      of each gather, layer by layer for stacked leaves: never whole on a device).
+  """
+  stage: int
+  shards_params: bool
+  shards_grads: bool
+  shards_opt_state: bool
+  grad_reduction: str
+
+  @classmethod
+  def of(cls, stage: int, num_shards: int) -> "StageBehaviour":
+    """The behaviour of `stage` over `num_shards` devices (the ZeRO axes' size)."""
+    stage = stage if num_shards > 1 else 0
+    reduction = ("psum", "psum_scatter_once", "psum_scatter_per_microbatch",
+                 "psum_scatter_in_gather")[stage]
+    return cls(stage=stage, shards_params=stage >= 3, shards_grads=stage >= 2,
+               shards_opt_state=stage >= 1, grad_reduction=reduction)
 
 
 def _spec(ndim: int, dim: int | None, axes: tuple[str, ...]) -> P:
@@ -285,6 +155,11 @@ class ZeroPlan:
     return math.prod(self.mesh.shape[a] for a in self.shard_axes)
 
   @property
+  def behaviour(self) -> StageBehaviour:
+    """What is sharded and how gradients are reduced (see `StageBehaviour`)."""
+    return StageBehaviour.of(self.stage, self.num_shards)
+
+  @property
   def num_data(self) -> int:
     """Devices the batch is split over."""
     return math.prod(self.mesh.shape[a] for a in self.data_axes)
@@ -301,24 +176,19 @@ class ZeroPlan:
 
   @property
   def param_specs(self) -> PyTree:
-    """PartitionSpecs of the stored parameters: sharded at stage 3 only."""
-    return self._specs(self.param_dims, self.params, self.stage >= 3)
+    """PartitionSpecs of the stored parameters."""
+    return self._specs(self.param_dims, self.params, self.behaviour.shards_params)
 
   @property
   def grad_specs(self) -> PyTree:
-    """PartitionSpecs of the reduced gradients: sharded from stage 1 (stage 1 scatters
-    once after accumulating, stage 2 every microbatch)."""
-    return self._specs(self.param_dims, self.params, self.stage >= 1)
-
-  @property
-  def update_specs(self) -> PyTree:
-    """PartitionSpecs the optimizer update runs in: each device its shard from stage 1."""
-    return self._specs(self.param_dims, self.params, self.stage >= 1)
+    """PartitionSpecs of the reduced gradients, which is also the layout the optimizer
+    update runs in: sharded with the optimizer state, each device updating its shard."""
+    return self._specs(self.param_dims, self.params, self.behaviour.shards_opt_state)
 
   @property
   def opt_specs(self) -> PyTree:
-    """PartitionSpecs of the optimizer state: sharded from stage 1."""
-    return self._specs(self.opt_dims, self.opt_state, self.stage >= 1)
+    """PartitionSpecs of the optimizer state."""
+    return self._specs(self.opt_dims, self.opt_state, self.behaviour.shards_opt_state)
 
   def opt_like(self, tree: PyTree, other: Any) -> PyTree:
     """A tree shaped like the optimizer state, from one shaped like the params.

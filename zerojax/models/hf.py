@@ -2,7 +2,7 @@
 
     params = hf.load_params("Meta-Llama-3.1-8B", plan)     # straight onto the mesh
     hf.save_params(state.params, model.config, "out/")     # config.json + safetensors
-    python -m zerojax.models.hf export --workdir runs/x --out hf_model/
+    python -m zerojax.export --workdir runs/x --out hf_model/   # a train.py checkpoint
 
 Import: `config.json` gives the model shape (`config_overrides`, `llama_config`); the
 tensors come from `model.safetensors` or the files of `model.safetensors.index.json`.
@@ -17,15 +17,14 @@ slice, then `process_allgather` across processes) and written by process 0 into 
 safetensors file whose header was written first, so host memory is one HF tensor.
 Files over `max_shard_size` are split as `save_pretrained` does (`model-0000i-of-0000N`
 plus an index). The name mapping and transposes are in `zerojax.models.llama`'s
-docstring; `_LEAVES` below is the same table as code. The files themselves (headers,
-index, the streaming writer) are `zerojax.models.safetensors_file`'s.
+docstring; `_HF_NAMES` below is the same table as code, joined by leaf path to the
+model's own shapes (`llama.param_shapes`). The files themselves (headers, index, the
+streaming writer) are `zerojax.models.safetensors_file`'s.
 """
 
-import argparse
 import contextlib
 import json
 import os
-import sys
 from typing import Any, Callable
 
 import jax
@@ -33,14 +32,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 
-from zerojax.models.llama import LlamaConfig
+from zerojax.models.llama import ROPE_SCALING, LlamaConfig, param_shapes
 from zerojax.models.safetensors_file import INDEX, HFError, tensor_index, write_folder
 
 PyTree = Any
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB".
-# zerojax leaf path, HF tensor name ('{i}': layer index), transposed (HF keeps torch
-# Linear's [out, in]; our kernels are [in, out]). Leaves under 'layers' are stacked.
-_LEAVES = (
+# zerojax leaf path -> HF tensor name ('{i}': layer index), transposed (HF keeps torch
+# Linear's [out, in]; our kernels are [in, out]). Leaves under 'layers' are stacked. In
+# HF's order: the export writes tensors in it.
+_HF_NAMES = dict((path, (name, transposed)) for path, name, transposed in (
     (("embed_tokens", "embedding"), "model.embed_tokens.weight", False),
     (("layers", "input_layernorm", "scale"), "model.layers.{i}.input_layernorm.weight", False),
     (("layers", "mlp", "down_proj", "kernel"), "model.layers.{i}.mlp.down_proj.weight", True),
@@ -54,12 +54,13 @@ _LEAVES = (
     (("layers", "self_attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", True),
     (("norm", "scale"), "model.norm.weight", False),
     (("lm_head", "kernel"), "lm_head.weight", True),
-)
-# The zerojax `model.*` keys an HF config determines, in configs/base.py's names.
+))
+# The zerojax `model.*` keys an HF config determines, in the schema's names (zerojax/schema.py).
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_context", "norm_eps", "tie_embeddings")
-_ROPE_KEYS = MODEL_KEYS[8:11]  # Only meaningful when rope_scaling_factor is set.
+# Only meaningful when rope_scaling_factor is set.
+_ROPE_KEYS = tuple(k for k in ROPE_SCALING if k != "rope_scaling_factor")
 
 
 # ------------------------------------------------------------------------- config.json
@@ -91,7 +92,7 @@ def read_config(folder: str) -> dict:
 
 
 def config_overrides(folder: str) -> dict[str, Any]:
-  """The zerojax `model.*` values (configs/base.py names) of a HF Llama folder.
+  """The zerojax `model.*` values (the schema's names) of a HF Llama folder.
 
   Reads both RoPE conventions: `rope_theta` / `rope_scaling` at the top level
   (transformers 4.x) and `rope_parameters: {rope_theta, rope_type, factor, ...}`
@@ -99,7 +100,7 @@ def config_overrides(folder: str) -> dict[str, Any]:
 
   Returns:
     {key: value} for every key of `MODEL_KEYS`; without scaling the factor is 0.0 and
-    the other three RoPE keys keep configs/base.py's defaults.
+    the other three RoPE keys keep the schema's defaults.
 
   Raises:
     HFError: a missing key, or a feature our Llama lacks (biases, another head_dim,
@@ -148,16 +149,7 @@ def config_overrides(folder: str) -> dict[str, Any]:
 
 def llama_config(folder: str, **kwargs: Any) -> LlamaConfig:
   """The `LlamaConfig` of a HF folder; `kwargs` set the rest (dtypes, remat, ...)."""
-  v = config_overrides(folder)
-  scaling = None
-  if v["rope_scaling_factor"]:
-    scaling = dict(factor=v["rope_scaling_factor"], low_freq_factor=v["rope_low_freq_factor"],
-                   high_freq_factor=v["rope_high_freq_factor"],
-                   original_max_position_embeddings=v["rope_original_context"])
-  return LlamaConfig(vocab_size=v["vocab_size"], d_model=v["d_model"], n_layers=v["n_layers"],
-                     n_heads=v["n_heads"], n_kv_heads=v["n_kv_heads"], d_ff=v["d_ff"],
-                     rope_theta=v["rope_theta"], rope_scaling=scaling, norm_eps=v["norm_eps"],
-                     tie_embeddings=v["tie_embeddings"], **kwargs)
+  return LlamaConfig.from_keys(config_overrides(folder), **kwargs)
 
 
 def check_config(folder: str, model: Any) -> None:
@@ -165,7 +157,7 @@ def check_config(folder: str, model: Any) -> None:
 
   Args:
     folder: the HF folder.
-    model: the config's `model` section (ConfigDict or dict with configs/base.py keys).
+    model: the config's `model` section (ConfigDict or dict with the schema's keys).
   """
   if model["name"] != "llama":
     raise HFError(f"model.name is {model['name']!r}, the folder holds a Llama", path=folder,
@@ -198,20 +190,18 @@ def seq_len_warning(folder: str, seq_len: int) -> str | None:
 
 
 def _expected(c: LlamaConfig) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
-  """{our leaf path: (HF name template, transposed, HF tensor shape, our leaf shape)}."""
-  D, F, V = c.d_model, c.d_ff, c.vocab_size
-  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  shapes = {"embed_tokens": (V, D), "input_layernorm": (D,), "post_attention_layernorm": (D,),
-            "down_proj": (D, F), "gate_proj": (F, D), "up_proj": (F, D), "q_proj": (q, D),
-            "k_proj": (kv, D), "v_proj": (kv, D), "o_proj": (D, q), "norm": (D,),
-            "lm_head": (V, D)}
+  """{our leaf path: (HF name template, transposed, HF tensor shape, our leaf shape)}.
+
+  In HF's order. Tied, there is no head: HF files usually omit lm_head.weight.
+  """
+  ours = param_shapes(c)
+  assert ours.keys() <= _HF_NAMES.keys(), sorted(ours.keys() - _HF_NAMES.keys())
   out = {}
-  for path, name, transposed in _LEAVES:
-    if path[0] == "lm_head" and c.tie_embeddings:
-      continue  # Tied: the head is the embedding; HF files usually omit lm_head.weight.
-    stacked, shape = path[0] == "layers", shapes[path[-2] if path[0] == "layers" else path[0]]
-    ours = shape[::-1] if transposed else shape
-    out[path] = (name, transposed, shape, (c.n_layers, *ours) if stacked else ours)
+  for path, (name, transposed) in _HF_NAMES.items():
+    if path in ours:
+      shape = ours[path][0]
+      one = shape[1:] if path[0] == "layers" else shape  # One layer's tensor.
+      out[path] = (name, transposed, one[::-1] if transposed else one, shape)
   return out
 
 
@@ -420,81 +410,3 @@ def save_params(params: PyTree, config: LlamaConfig, folder: str, *, dtype: Any 
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("zerojax.models.hf.save_params")  # Files complete.
   return names
-
-
-# --------------------------------------------------------------------------------- CLI
-
-
-def _parse_size(text: str) -> int:
-  """'5GB' -> 5e9, '500MB', '2GiB', or plain bytes."""
-  units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-  t = text.strip().upper()
-  for unit, scale in units.items():
-    if t.endswith(unit):
-      return int(float(t[:-len(unit)]) * scale)
-  return int(t)
-
-
-def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
-                      **kwargs: Any) -> list[str]:
-  """Exports a train.py checkpoint of `workdir` (the newest intact, or `step`).
-
-  The state is restored at stage 3 over all devices (checkpoints restore onto any
-  plan), so each device holds 1/N of it; then `save_params(..., **kwargs)`.
-  """
-  # pylint: disable=import-outside-toplevel
-  import ml_collections
-  from zerojax import checkpoint, make_mesh, make_plan, models, optim
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise HFError("no checkpoints directory: nothing to export", path=directory,
-                  fix="pass the --workdir of a train.py run that saved a checkpoint")
-  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
-  try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise HFError("no checkpoint in it", path=directory)
-    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
-    if config.model.name != "llama":
-      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
-    model = models.from_config(config)
-    tx, _ = optim.optimizer_from_config(config.optimizer, config.train.steps,
-                                        mask=optim.decay_mask(model.logical_axes()),
-                                        seed=config.seed)
-    plan = make_plan(make_mesh(1, -1), 3, jax.eval_shape(model.init, jax.random.key(0)), tx,
-                     logical_axes=model.logical_axes())
-    state, meta = ckpt.restore(step, plan) if step else ckpt.restore_latest(plan)
-    print(f"restored {directory}/{meta['step']}", flush=True)
-    return save_params(state.params, model.config, out, **kwargs)
-  finally:
-    ckpt.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-  """python -m zerojax.models.hf export --workdir runs/x --out DIR [--step N] [--dtype D]."""
-  from zerojax import checkpoint  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m zerojax.models.hf", description=__doc__.split("\n")[0])
-  sub = parser.add_subparsers(dest="command", required=True)
-  export = sub.add_parser("export", help="a train.py checkpoint -> a Hugging Face Llama folder")
-  export.add_argument("--workdir", required=True, help="train.py's --workdir")
-  export.add_argument("--out", required=True, help="the folder to write")
-  export.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-  export.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
-                      help="tensor dtype (default: the params' own)")
-  export.add_argument("--max_shard_size", default="5GB", help="bytes per file, e.g. 5GB, 500MB")
-  export.add_argument("--max_position_embeddings", type=int, default=None,
-                      help="for config.json (default: 131072 with RoPE scaling, else 8192)")
-  args = parser.parse_args(argv)
-  try:
-    names = export_checkpoint(args.workdir, args.out, step=args.step, dtype=args.dtype,
-                              max_shard_size=_parse_size(args.max_shard_size),
-                              max_position_embeddings=args.max_position_embeddings)
-  except (HFError, checkpoint.CheckpointError) as e:
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
-  print(f"wrote {args.out}: config.json, {', '.join(names)}", flush=True)
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,13 +1,15 @@
 """The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 One file, read top to bottom: the config, the pieces (norm, rotary embeddings,
-attention), the block, the model, then the loss and the helpers a trainer needs.
+attention; the attention kernels are `zerojax.models.attention`'s), the block, the
+model, then the loss and the helpers a trainer needs (`param_shapes`: every parameter's
+shape and axes, the one copy the planner and the Hugging Face mapping read).
 Layers run under `nn.scan` with a leading 'layers' axis; each layer's params pass
 through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer is
 gathered at a time (and, under remat, gathered again in the backward pass instead
 of being saved).
 
-Long context: the default attention loops over query blocks and recomputes each
+Long context: the blocked attention loops over query blocks and recomputes each
 block's scores in the backward pass (no (heads, T, T) array is ever alive); the loss
 runs the final norm, head and log-softmax over `loss_chunk` positions at a time (the
 fp32 logits of a 128K vocabulary are never alive for the whole sequence).
@@ -32,6 +34,8 @@ G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
 
 import dataclasses
 import functools
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -40,7 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import FrozenDict
 
-from zerojax.zero import flax_logical_axes, gather, scan_layers
+from zerojax.models.attention import attention_kernel, blocked_attention
+from zerojax.stage3 import gather, scan_layers
+from zerojax.zero import flax_logical_axes
 
 Params = Any
 
@@ -53,8 +59,12 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION = ("auto", "blocked", "dot_product")
-ROPE_SCALING_KEYS = {"factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings"}
+# The config's flat RoPE-scaling keys (zerojax/schema.py) -> the keys of
+# `LlamaConfig.rope_scaling` (Hugging Face's names). The only keys whose names differ.
+ROPE_SCALING = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+                "rope_high_freq_factor": "high_freq_factor",
+                "rope_original_context": "original_max_position_embeddings"}
+ROPE_SCALING_KEYS = set(ROPE_SCALING.values())
 INIT_STD = 0.02  # Hugging Face's initializer_range.
 
 
@@ -126,6 +136,25 @@ class LlamaConfig:
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
 
+  @classmethod
+  def from_keys(cls, model: Mapping[str, Any], **kwargs: Any) -> "LlamaConfig":
+    """The config of a `model` section (the schema's keys, zerojax/schema.py).
+
+    Every key that names a field is taken by that name, so a new model key is a row in
+    the schema and a field here; the RoPE-scaling keys become `rope_scaling`
+    (`ROPE_SCALING`), set when `rope_scaling_factor` is. Other keys (`name`, another
+    family's) are ignored.
+
+    Args:
+      model: a ConfigDict or dict (also `hf.config_overrides`' result).
+      **kwargs: fields to set besides (dtypes, which live in the precision section).
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: model[k] for k in names if k in model}
+    if model.get("rope_scaling_factor"):
+      values["rope_scaling"] = {new: model[old] for old, new in ROPE_SCALING.items()}
+    return cls(**values, **kwargs)
+
 
 # ---------------------------------------------------------------------------- pieces
 
@@ -192,90 +221,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   x1, x2 = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
-
-
-def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> jax.Array:
-  """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
-
-  Scores are fp32 [B, K, G, S, T], masked causally, softmax in fp32. Returns
-  [B, S, K, G, Dh] in q's dtype.
-  """
-  Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
-  # Ties the mask to this block's queries. Computed from constants alone, it would be
-  # loop-invariant in the layer scan, and JAX hoists such values out of the loop: the
-  # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
-  start, q_blk = jax.lax.optimization_barrier((start, q_blk))
-  s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
-  visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
-  p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.astype(q_blk.dtype)
-
-
-def _attend_blocks_fwd(q, k, v):
-  """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same; residuals q, k, v."""
-  starts = jnp.arange(q.shape[0]) * q.shape[2]
-  return jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1]), (q, starts)), (q, k, v)
-
-
-def _attend_blocks_bwd(res, ct):
-  # The forward kept only q, k, v: each block's scores are recomputed here, and dk, dv
-  # summed over blocks in fp32 (a `jax.checkpoint` per block would sum them in the
-  # compute dtype, in the transpose of the scan).
-  q, k, v = res
-  starts = jnp.arange(q.shape[0]) * q.shape[2]
-
-  def block(acc, xs):
-    q_blk, start, ct_blk = xs
-    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start), q_blk, k, v)
-    dq, dk, dv = vjp(ct_blk)
-    return (acc[0] + dk.astype(jnp.float32), acc[1] + dv.astype(jnp.float32)), dq
-
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  (dk, dv), dq = jax.lax.scan(block, (zeros(k), zeros(v)), (q, starts, ct))
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-_attend_blocks = jax.custom_vjp(lambda q, k, v: _attend_blocks_fwd(q, k, v)[0])
-_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
-
-
-def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> str:
-  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 (2-4x the
-  blocked loop's MFU on an H200, benchmarks/README.md), else the blocked loop (XLA's
-  dot_product materialises the T x T scores). Other names pass through."""
-  if attention != "auto":
-    return attention
-  gpu = (backend or jax.default_backend()) == "gpu"
-  return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
-
-
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-  """Causal grouped-query attention, one block of queries at a time.
-
-  A loop over query blocks; each block's scores against all T keys are recomputed in
-  the backward pass instead of saved, so at most one block's (B, H, block, T) fp32
-  scores are alive, never (B, H, T, T). T need not be a multiple of `block` (the
-  queries are padded, the padding dropped).
-
-  Args:
-    q: [B, T, H, Dh]; query head h reads key/value head h // G (HF's `repeat_kv`).
-    k, v: [B, T, K, Dh].
-    block: query positions per block.
-
-  Returns:
-    [B, T, H, Dh] in q's dtype.
-  """
-  B, T, H, Dh = q.shape
-  K = k.shape[2]
-  size = min(block, T)
-  n = -(-T // size)
-  q = q.reshape(B, T, K, H // K, Dh)
-  q = jnp.pad(q, ((0, 0), (0, n * size - T), (0, 0), (0, 0), (0, 0)))
-  q = q.reshape(B, n, size, K, H // K, Dh).swapaxes(0, 1)  # [n, B, size, K, G, Dh]
-  out = _attend_blocks(q, k, v)
-  return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]
 
 
 # ------------------------------------------------------------------------ the model
@@ -452,12 +397,40 @@ def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params
   return Llama(config).init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
 
 
-def param_count(config: LlamaConfig) -> int:
-  """Total parameters, in closed form (equals the leaves' total)."""
+def param_shapes(config: LlamaConfig) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+  """{leaf path: (shape, logical axis names)} of every parameter, without any JAX work.
+
+  The one written-out copy of the model's shapes (`init_params` makes these; a test
+  checks it against `jax.eval_shape`): the planner (`zerojax.memory`) counts and shards
+  them, `zerojax.models.hf` joins its tensor names to them by path. Layer leaves are
+  stacked on a leading 'layers' axis; kernels are [in, out]; no head when tied.
+  """
   c = config
-  D, V, q_dim, kv_dim = c.d_model, c.vocab_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  layer = 2 * D + D * q_dim + 2 * D * kv_dim + q_dim * D + 3 * D * c.d_ff
-  return V * D + c.n_layers * layer + D + (0 if c.tie_embeddings else D * V)
+  D, F, V = c.d_model, c.d_ff, c.vocab_size
+  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  layer = {
+      ("input_layernorm", "scale"): ((D,), ("embed",)),
+      ("mlp", "down_proj", "kernel"): ((F, D), ("mlp", "embed")),
+      ("mlp", "gate_proj", "kernel"): ((D, F), ("embed", "mlp")),
+      ("mlp", "up_proj", "kernel"): ((D, F), ("embed", "mlp")),
+      ("post_attention_layernorm", "scale"): ((D,), ("embed",)),
+      ("self_attn", "k_proj", "kernel"): ((D, kv), ("embed", "kv_heads")),
+      ("self_attn", "o_proj", "kernel"): ((q, D), ("heads", "embed")),
+      ("self_attn", "q_proj", "kernel"): ((D, q), ("embed", "heads")),
+      ("self_attn", "v_proj", "kernel"): ((D, kv), ("embed", "kv_heads")),
+  }
+  shapes = {("embed_tokens", "embedding"): ((V, D), ("vocab", "embed"))}
+  shapes.update({("layers", *path): ((c.n_layers, *shape), ("layers", *names))
+                 for path, (shape, names) in layer.items()})
+  shapes[("norm", "scale")] = ((D,), ("embed",))
+  if not c.tie_embeddings:
+    shapes[("lm_head", "kernel")] = ((D, V), ("embed", "vocab"))
+  return shapes
+
+
+def param_count(config: LlamaConfig) -> int:
+  """Total parameters (of `param_shapes`)."""
+  return sum(math.prod(shape) for shape, _ in param_shapes(config).values())
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int, causal: bool = True) -> float:
@@ -481,7 +454,7 @@ class LlamaLM:
   """The model as zerojax's train step wants it: pure functions of (params, inputs).
 
   Same interface as `MlpLM`: `init(rng)`, `loss(params, batch, rng)`,
-  `logical_axes()`, plus `logits(params, tokens)`.
+  `logical_axes()`, `param_shapes()`, plus `logits(params, tokens)`.
   """
   config: LlamaConfig
 
@@ -493,6 +466,10 @@ class LlamaLM:
     """Axis names per parameter dimension, for `zerojax.make_plan(logical_axes=...)`."""
     boxed = jax.eval_shape(lambda rng: init_params(self.config, rng), jax.random.key(0))
     return flax_logical_axes(boxed)
+
+  def param_shapes(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+    """{leaf path: (shape, logical axes)}, without JAX work: see `param_shapes`."""
+    return param_shapes(self.config)
 
   def loss(self, params: Params, batch: dict[str, jax.Array], rng: jax.Array = None):
     return loss(self.config, params, batch, rng)

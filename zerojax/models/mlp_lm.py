@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.zero import gather
+from zerojax.stage3 import gather
 
 Params = dict[str, Any]
 
@@ -67,19 +67,28 @@ class MlpLM:
     D, F, L, V, C = self.d_model, self.d_ff, self.n_layers, self.vocab_size, self.context
     return 6.0 * (L * (2 * D * F + C * D) + D * V)
 
+  def param_shapes(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+    """{leaf path: (shape, logical axis names)} of `init`'s params, without JAX work."""
+    V, D, F, L, C = self.vocab_size, self.d_model, self.d_ff, self.n_layers, self.context
+    return {
+        ("embed",): ((V, D), ("vocab", "embed")),
+        ("layers", "norm"): ((L, D), ("layers", "embed")),
+        ("layers", "mix"): ((L, C, D), ("layers", "context", "embed")),
+        ("layers", "w_in"): ((L, D, F), ("layers", "embed", "mlp")),
+        ("layers", "w_out"): ((L, F, D), ("layers", "mlp", "embed")),
+        ("final_norm",): ((D,), ("embed",)),
+        ("head",): ((D, V), ("embed", "vocab")),
+    }
+
   def logical_axes(self) -> dict[str, Any]:
     """Axis names per parameter dimension, for `zerojax.make_plan`."""
-    return {
-        "embed": ("vocab", "embed"),
-        "layers": {
-            "norm": ("layers", "embed"),
-            "mix": ("layers", "context", "embed"),
-            "w_in": ("layers", "embed", "mlp"),
-            "w_out": ("layers", "mlp", "embed"),
-        },
-        "final_norm": ("embed",),
-        "head": ("embed", "vocab"),
-    }
+    tree = {}
+    for (*parents, name), (_, names) in self.param_shapes().items():
+      node = tree
+      for p in parents:
+        node = node.setdefault(p, {})
+      node[name] = names
+    return tree
 
   def apply(self, params: Params, tokens: jax.Array) -> jax.Array:
     """Next-token logits.

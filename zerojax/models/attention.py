@@ -1,0 +1,100 @@
+"""Causal grouped-query attention kernels for `zerojax.models.llama`.
+
+`attention_kernel` says which one a config's `attention` means on this backend;
+`blocked_attention` is the portable one: a loop over query blocks whose backward pass
+recomputes each block's scores (a `custom_vjp`), so no (heads, T, T) array is ever
+alive. The other, 'dot_product', is `jax.nn.dot_product_attention` (cuDNN's fused
+kernel on a GPU in bf16/fp16), called by the model itself.
+
+Shapes: B batch, T sequence, H query heads, K key/value heads, G = H // K, Dh head_dim,
+S query positions per block.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> jax.Array:
+  """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
+
+  Scores are fp32 [B, K, G, S, T], masked causally, softmax in fp32. Returns
+  [B, S, K, G, Dh] in q's dtype.
+  """
+  Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
+  # Ties the mask to this block's queries. Computed from constants alone, it would be
+  # loop-invariant in the layer scan, and JAX hoists such values out of the loop: the
+  # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
+  start, q_blk = jax.lax.optimization_barrier((start, q_blk))
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
+  visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
+  p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.astype(q_blk.dtype)
+
+
+def _attend_blocks_fwd(q, k, v):
+  """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same; residuals q, k, v."""
+  starts = jnp.arange(q.shape[0]) * q.shape[2]
+  return jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1]), (q, starts)), (q, k, v)
+
+
+def _attend_blocks_bwd(res, ct):
+  # The forward kept only q, k, v: each block's scores are recomputed here, and dk, dv
+  # summed over blocks in fp32 (a `jax.checkpoint` per block would sum them in the
+  # compute dtype, in the transpose of the scan).
+  q, k, v = res
+  starts = jnp.arange(q.shape[0]) * q.shape[2]
+
+  def block(acc, xs):
+    q_blk, start, ct_blk = xs
+    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start), q_blk, k, v)
+    dq, dk, dv = vjp(ct_blk)
+    return (acc[0] + dk.astype(jnp.float32), acc[1] + dv.astype(jnp.float32)), dq
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(block, (zeros(k), zeros(v)), (q, starts, ct))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_attend_blocks = jax.custom_vjp(lambda q, k, v: _attend_blocks_fwd(q, k, v)[0])
+_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
+
+
+def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> str:
+  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 (2-4x the
+  blocked loop's MFU on an H200, benchmarks/README.md), else the blocked loop (XLA's
+  dot_product materialises the T x T scores). Other names pass through."""
+  if attention != "auto":
+    return attention
+  gpu = (backend or jax.default_backend()) == "gpu"
+  return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
+
+
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+  """Causal grouped-query attention, one block of queries at a time.
+
+  A loop over query blocks; each block's scores against all T keys are recomputed in
+  the backward pass instead of saved, so at most one block's (B, H, block, T) fp32
+  scores are alive, never (B, H, T, T). T need not be a multiple of `block` (the
+  queries are padded, the padding dropped).
+
+  Args:
+    q: [B, T, H, Dh]; query head h reads key/value head h // G (HF's `repeat_kv`).
+    k, v: [B, T, K, Dh].
+    block: query positions per block.
+
+  Returns:
+    [B, T, H, Dh] in q's dtype.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  size = min(block, T)
+  n = -(-T // size)
+  q = q.reshape(B, T, K, H // K, Dh)
+  q = jnp.pad(q, ((0, 0), (0, n * size - T), (0, 0), (0, 0), (0, 0)))
+  q = q.reshape(B, n, size, K, H // K, Dh).swapaxes(0, 1)  # [n, B, size, K, G, Dh]
+  out = _attend_blocks(q, k, v)
+  return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]

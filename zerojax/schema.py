@@ -1,0 +1,220 @@
+"""The config schema: every key zerojax knows, once, with its default, choices, range and help.
+
+`base_config()` builds the default config from this table; config files start from it
+and change values, and `zerojax.config_schema` checks any config against it. Adding a
+key is one row here (and the code that reads it). The type of a key is its default's.
+
+    python -m zerojax.config --keys    # this table, as the user sees it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import ml_collections
+
+
+class Range(NamedTuple):
+  """A value check beyond type and choices: `test(value)` must hold; `text` says what it wants."""
+  test: Callable[[Any], bool]
+  text: str
+
+
+class Field(NamedTuple):
+  """One config key: dotted `key`, `default` (whose type is the key's), one-line `help`."""
+  key: str
+  default: Any
+  help: str
+  choices: tuple[Any, ...] | None = None
+  range: Range | None = None
+
+
+POSITIVE = Range(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Range(lambda v: v >= 0, ">= 0")
+AT_LEAST_1 = Range(lambda v: v >= 1, ">= 1")
+UNIT = Range(lambda v: 0 <= v < 1, "in [0, 1)")
+MESH_SIZE = Range(lambda v: v > 0 or v == -1, "a positive size, or -1 for the devices left over")
+DTYPES = ("float32", "bfloat16")  # Reductions, accumulation and optimizer state.
+PARAM_DTYPES = ("float32", "bfloat16", "float16")  # Params and compute; float16 adds loss scaling.
+
+# Groups of keys, each with a line saying what it is for (in the order printed).
+GROUPS: dict[str, str] = {
+    "mesh": "The device mesh: axes ('data', 'fsdp').",
+    "distributed": "Multi-host (jax.distributed); nothing set and no cluster detected = one process.",
+    "zero": "What ZeRO shards.",
+    "precision": "Dtypes of params, compute, reductions; non-finite steps.",
+    "precision.loss_scale": "Dynamic loss scaling, used with float16 only.",
+    "optimizer": "The optimizer, its state dtype, update rule and schedule.",
+    "train": "Steps, batch, sequence length, logging and evaluation.",
+    "checkpoint": "Only when workdir is set: <workdir>/checkpoints.",
+    "model": "The model family and its shape (Llama keys follow Hugging Face's config.json).",
+    "data": "Where tokens come from.",
+}
+
+_ROWS = (
+    Field("seed", 0, "PRNG seed for parameter init, data order and dropout.", range=NON_NEGATIVE),
+    Field("workdir", "", 'Where logs and checkpoints go; "" = do not write.'),
+    Field("init_from", "", "A Hugging Face Llama folder to start from (model.* must match its "
+          "config.json); a resumed checkpoint wins."),
+    # mesh
+    Field("mesh.data", 1, "Replicas ('data' axis); -1 = the devices left over.", range=MESH_SIZE),
+    Field("mesh.fsdp", -1, "Devices the ZeRO state is sharded over ('fsdp' axis); -1 = the rest.",
+          range=MESH_SIZE),
+    # distributed
+    Field("distributed.coordinator_address", "", 'host:port of process 0; "" = '
+          "$JAX_COORDINATOR_ADDRESS, else SLURM / Open MPI / k8s detection."),
+    Field("distributed.num_processes", 0, "Processes in the run; 0 = $ZEROJAX_NUM_PROCESSES, else "
+          "detected, else 1.", range=Range(lambda v: v >= 0, ">= 0 (0 = $ZEROJAX_NUM_PROCESSES or detected)")),
+    Field("distributed.process_id", -1, "This process's id, 0..num_processes-1; -1 = "
+          "$ZEROJAX_PROCESS_ID, else detected.",
+          range=Range(lambda v: v >= -1, "an id >= 0, or -1 for $ZEROJAX_PROCESS_ID or detected")),
+    Field("distributed.local_device_ids", "", 'Devices this process uses: "0,1,..."; "all"; "" = '
+          "JAX's choice (SLURM / Open MPI: the local rank's GPU)."),
+    Field("distributed.initialization_timeout", 300, "Seconds for every process to join; then each "
+          "exits with status 4 and a message.", range=POSITIVE),
+    Field("distributed.heartbeat_timeout", 100, "Seconds without heartbeats before a process counts as "
+          "dead and JAX aborts the others.", range=POSITIVE),
+    Field("distributed.shutdown_timeout", 300, "Seconds a finishing process waits at exit for the "
+          "others to finish too.", range=POSITIVE),
+    # zero
+    Field("zero.stage", 3, "0: plain data parallel, 1: +optimizer state sharded, 2: +gradients, "
+          "3: +params.", choices=(0, 1, 2, 3)),
+    Field("zero.min_shard_size", 4096, "Leaves with fewer elements stay replicated (DeepSpeed's "
+          "persistence threshold).", range=NON_NEGATIVE),
+    # precision
+    Field("precision.param_dtype", "bfloat16", "Stored parameters.", choices=PARAM_DTYPES),
+    Field("precision.compute_dtype", "bfloat16", "Activations and matmuls.", choices=PARAM_DTYPES),
+    Field("precision.reduce_dtype", "float32", "Cross-device gradient reductions.", choices=DTYPES),
+    Field("precision.accum_dtype", "float32", "Gradient accumulation over microbatches.",
+          choices=DTYPES),
+    Field("precision.max_consecutive_skips", 10, "Stop after this many non-finite steps in a row; "
+          "0 = never.", range=NON_NEGATIVE),
+    Field("precision.loss_scale.initial_power", 16, "The first scale is 2**initial_power.",
+          range=Range(lambda v: 0 <= v <= 40, "in [0, 40]")),
+    Field("precision.loss_scale.window", 1000, "Finite steps in a row before the scale doubles.",
+          range=AT_LEAST_1),
+    Field("precision.loss_scale.hysteresis", 2, "Overflows in a row tolerated before it halves.",
+          range=AT_LEAST_1),
+    Field("precision.loss_scale.min_scale", 1.0, "The scale never goes below this.", range=POSITIVE),
+    # optimizer
+    Field("optimizer.name", "adamw", "The optimizer.", choices=("adamw", "lion", "sgd")),
+    Field("optimizer.state_dtype", "bfloat16", "Every moment (Adam's mu and nu too).",
+          choices=DTYPES),
+    Field("optimizer.update_rule", "kahan", "How updates land on low-precision params.",
+          choices=("nearest", "kahan", "stochastic", "master")),
+    Field("optimizer.learning_rate", 3e-3, "Peak learning rate.", range=POSITIVE),
+    Field("optimizer.schedule", "cosine", "Decay after warmup.",
+          choices=("constant", "cosine", "linear")),
+    Field("optimizer.warmup_steps", 20, "Linear warmup from 0 to the peak.", range=NON_NEGATIVE),
+    Field("optimizer.min_lr_ratio", 0.1, "Final learning rate as a fraction of the peak (cosine, "
+          "linear).", range=Range(lambda v: 0 <= v <= 1, "in [0, 1]")),
+    Field("optimizer.b1", 0.9, "AdamW first-moment decay; Lion's interpolation.", range=UNIT),
+    Field("optimizer.b2", 0.95, "AdamW second-moment decay; Lion's momentum decay.", range=UNIT),
+    Field("optimizer.eps", 1e-8, "AdamW epsilon.", range=POSITIVE),
+    Field("optimizer.weight_decay", 0.1, "Decoupled weight decay (AdamW) or L2 (sgd).",
+          range=NON_NEGATIVE),
+    Field("optimizer.momentum", 0.9, "SGD momentum; 0 disables it.", range=UNIT),
+    Field("optimizer.nesterov", False, "SGD Nesterov momentum."),
+    Field("optimizer.grad_clip", 1.0, "Clip the global gradient norm (fp32) to this; 0 disables.",
+          range=NON_NEGATIVE),
+    # train
+    Field("train.steps", 200, "Optimizer steps.", range=POSITIVE),
+    Field("train.global_batch_size", 16, "Sequences per optimizer step, over all devices and "
+          "microbatches.", range=POSITIVE),
+    Field("train.microbatches", 1, "Gradient accumulation steps per optimizer step.",
+          range=AT_LEAST_1),
+    Field("train.seq_len", 128, "Tokens per sequence.", range=POSITIVE),
+    Field("train.log_every", 10, "Print metrics every this many steps.", range=POSITIVE),
+    Field("train.eval_every", 50, "Held-out loss every this many steps; 0 disables.",
+          range=NON_NEGATIVE),
+    Field("train.eval_batches", 4, "Held-out batches per evaluation.", range=AT_LEAST_1),
+    Field("train.peak_flops", 0.0, "Peak FLOP/s of one device, for MFU; 0 = from the device kind "
+          "(none on CPU).", range=NON_NEGATIVE),
+    # checkpoint
+    Field("checkpoint.every_steps", 100, "Save every this many steps; 0 = not by step.",
+          range=NON_NEGATIVE),
+    Field("checkpoint.every_minutes", 0.0, "Also save once this many minutes passed since the last "
+          "save; 0 = off.", range=NON_NEGATIVE),
+    Field("checkpoint.keep", 3, "Keep the newest this many; 0 = all.", range=NON_NEGATIVE),
+    Field("checkpoint.keep_every", 0, "Also keep steps that are multiples of this, forever; 0 = none.",
+          range=NON_NEGATIVE),
+    Field("checkpoint.async_save", True, "Write in the background while training goes on."),
+    # model
+    Field("model.name", "llama", "Model family (mlp_lm: a small scanned MLP LM, for tests).",
+          choices=("llama", "mlp_lm")),
+    Field("model.vocab_size", 256, "Token vocabulary (256 = bytes).", range=POSITIVE),
+    Field("model.d_model", 128, "Residual stream width.", range=POSITIVE),
+    Field("model.d_ff", 384, "Hidden width of each MLP block.", range=POSITIVE),
+    Field("model.n_layers", 4, "Blocks, run under nn.scan / lax.scan.", range=POSITIVE),
+    Field("model.n_heads", 4, "llama: query heads.", range=POSITIVE),
+    Field("model.n_kv_heads", 2, "llama: key/value heads (grouped-query attention; divides "
+          "n_heads).", range=POSITIVE),
+    Field("model.rope_theta", 500000.0, "llama: rotary base frequency.", range=POSITIVE),
+    Field("model.rope_scaling_factor", 0.0, "llama: Llama 3.1 RoPE scaling factor; 0 = off.",
+          range=NON_NEGATIVE),
+    Field("model.rope_low_freq_factor", 1.0, "llama: Llama 3.1 scaling, low-frequency factor.",
+          range=POSITIVE),
+    Field("model.rope_high_freq_factor", 4.0, "llama: Llama 3.1 scaling, high-frequency factor.",
+          range=POSITIVE),
+    Field("model.rope_original_context", 8192, "llama: Llama 3.1 scaling, original max positions.",
+          range=POSITIVE),
+    Field("model.norm_eps", 1e-5, "llama: RMSNorm epsilon.", range=POSITIVE),
+    Field("model.tie_embeddings", False, "llama: output head shares the embedding matrix."),
+    Field("model.attention", "auto", "llama: auto (dot_product on GPU in bf16/fp16, else blocked), "
+          "blocked (query blocks, recomputed), dot_product (cuDNN on GPU).",
+          choices=("auto", "blocked", "dot_product")),
+    Field("model.attention_block", 512, "llama: query positions per attention block.",
+          range=POSITIVE),
+    Field("model.loss_chunk", 1024, "llama: sequence positions per loss chunk (fp32 logits).",
+          range=POSITIVE),
+    Field("model.context", 8, "mlp_lm: previous tokens each position mixes in.", range=AT_LEAST_1),
+    Field("model.remat", "full", "Backward-pass recompute per layer (dots: keep matmul outputs).",
+          choices=("none", "full", "dots")),
+    # data
+    Field("data.name", "stdlib", "stdlib (Python source as bytes, no download), tokens (.bin/.npy) "
+          "or text (.txt/.jsonl).", choices=("stdlib", "tokens", "text")),
+    Field("data.path", "", "tokens: a .bin or .npy file of token ids; text: a .txt (one document) "
+          "or .jsonl file."),
+    Field("data.eval_path", "", 'A held-out file of the same kind; "" = hold out the last '
+          "eval_fraction of data.path."),
+    Field("data.dtype", "uint16", "Token id dtype of .bin files (.npy files carry their own).",
+          choices=("uint16", "uint32")),
+    Field("data.tokenizer", "", "text: a Hugging Face tokenizer.json (pip install zerojax[text])."),
+    Field("data.text_key", "text", "text, .jsonl: the field of each JSON object that holds the "
+          "document."),
+    Field("data.eos_id", -1, "text: id appended after every document; -1 = the tokenizer's "
+          "end-of-sequence token.",
+          range=Range(lambda v: v >= -1, "a token id >= 0, or -1 for the tokenizer's end-of-sequence token")),
+    Field("data.eval_fraction", 0.05, 'Share of the tokens held out for evaluation when '
+          'data.eval_path is "".', range=Range(lambda v: 0 < v <= 0.5, "in (0, 0.5]")),
+)
+FIELDS: dict[str, Field] = {f.key: f for f in _ROWS}
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """A fresh, unlocked config with every key of the schema at its default."""
+  config = ml_collections.ConfigDict()
+  for f in _ROWS:
+    *path, name = f.key.split(".")
+    node = config
+    for part in path:
+      if part not in node:
+        node[part] = ml_collections.ConfigDict()
+      node = node[part]
+    node[name] = f.default
+  return config
+
+
+def describe() -> str:
+  """The schema as text: one line per key (default, choices, range, help), groups as headings."""
+  lines, group = [], None
+  for f in _ROWS:
+    here = f.key.rpartition(".")[0]
+    if here != group:
+      group = here
+      if here:
+        lines.append(f"\n[{here}] {GROUPS.get(here, '')}".rstrip())
+    allowed = (" | ".join(map(str, f.choices)) if f.choices else f.range.text if f.range else "")
+    lines.append(f"{f.key} = {f.default!r}" + (f"  ({allowed})" if allowed else "") + f"  # {f.help}")
+  return "\n".join(lines).lstrip()

@@ -1,0 +1,187 @@
+"""The stage-3 runtime: parameter shards the model gathers where it uses them.
+
+At ZeRO stage 3 the train step hands the model `Sharded` leaves for its layer-stacked
+parameters; the model calls `gather` on one layer's slice inside its scan body (or runs
+its layers with `scan_layers`, which does so and saves memory in the backward pass).
+The gather is an all-gather in the parameter dtype whose backward pass upcasts the
+cotangent to the reduce dtype and reduce-scatters it, so neither the whole gathered
+model nor its whole gradient is ever alive at once. Outside a stage-3 step there are no
+`Sharded` leaves and `gather` is the identity, so models stay usable without zerojax.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+  """A stage-3 parameter shard that the model must `gather` before use.
+
+  Attributes:
+    value: the local shard, in the reduce dtype (the step differentiates with respect
+      to it, so its gradient comes back already reduce-scattered).
+    dim: the sharded dimension counted from the end (negative), so it stays right
+      after `lax.scan` slices off the leading layers axis.
+    axes: mesh axes the leaf is sharded over.
+    dtype: the dtype the gathered parameter is used in.
+  """
+
+  def __init__(self, value: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any):
+    self.value, self.dim, self.axes, self.dtype = value, dim, axes, dtype
+
+  def tree_flatten(self):
+    return (self.value,), (self.dim, self.axes, self.dtype)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
+
+  def __repr__(self):
+    return f"Sharded({getattr(self.value, 'shape', '?')}, dim={self.dim}, axes={self.axes})"
+
+  def __jax_array__(self):
+    raise TypeError(
+        "a stage-3 parameter shard was used without zerojax.gather(): call "
+        "`zerojax.gather(layer_params)` on each layer's params inside the scan body")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
+  return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
+
+
+def _all_gather_fwd(x, dim, axes, dtype):
+  # The residual is a zero-size array that only carries the primal's dtype.
+  return _all_gather(x, dim, axes, dtype), jnp.zeros((0,), x.dtype)
+
+
+def _all_gather_bwd(dim, axes, dtype, like, cotangent):
+  del dtype
+  # The primal is in the reduce dtype, so the cotangent is upcast *before* the
+  # reduction: the sum over devices happens in fp32 even though the gather was bf16.
+  return (jax.lax.psum_scatter(cotangent.astype(like.dtype), axes,
+                               scatter_dimension=dim, tiled=True),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+
+
+def gather(tree: PyTree) -> PyTree:
+  """Gathers every `Sharded` leaf of `tree`; other leaves pass through unchanged.
+
+  Call it on one layer's parameters inside the scan body. Outside a stage-3 step the
+  tree holds no `Sharded` leaves and this is the identity, so models stay usable
+  without zerojax. Wrap the scan body in `jax.checkpoint` with a policy that does not
+  save the gathered weights (`nothing_saveable`, `dots_with_no_batch_dims_saveable`):
+  without it the backward pass keeps every layer's gathered weights alive, which is
+  the whole model again.
+
+  Args:
+    tree: a pytree whose leaves are arrays or `Sharded`.
+
+  Returns:
+    The same tree with each `Sharded` leaf replaced by the whole parameter in its
+    compute dtype (shape of the unsharded leaf).
+  """
+  def one(leaf):
+    if not isinstance(leaf, Sharded):
+      return leaf
+    return gather_leaf(leaf.value, leaf.value.ndim + leaf.dim, leaf.axes, leaf.dtype)
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
+
+
+def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
+  """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`."""
+  return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
+
+
+def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any) -> PyTree:
+  """`carry = fn(gather(params[i]), carry, *args)` for each layer i, rematerialized.
+
+  The layer loop of a stage-3 model with full remat (each layer's input is saved, its
+  forward recomputed in the backward pass, its weights gathered again there), as
+  `lax.scan` under `jax.checkpoint(policy=nothing_saveable)` would run it, with one
+  difference in memory: the backward pass writes layer i's gradient into the buffer
+  of the stacked `params` themselves, slice i, once layer i is done with them. The
+  train step differentiates with respect to fp32 params (so that every reduction is
+  fp32); JAX's own scan transpose would keep that fp32 copy of the model alive next to
+  a second, zero-initialised fp32 array for the gradients (4 bytes per param more
+  than needed). Here the two share one buffer: XLA updates it in place.
+
+  Args:
+    fn: `(layer_params, carry, *args) -> carry`, one layer (plain arrays: gathered).
+    params: the stacked layer params (leading axis: layers); leaves may be `Sharded`.
+    carry: the layer input (e.g. the residual stream), any pytree.
+    *args: other inputs every layer sees (e.g. rotary tables), differentiable.
+
+  Returns:
+    The last layer's output carry.
+  """
+  return _scan_layers(fn, params, carry, args)
+
+
+def _layer(tree: PyTree, i: jax.Array) -> PyTree:
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _to_bits(x):
+  """The saved layer inputs are kept as their bits (unsigned ints of the same width):
+  XLA:CPU would otherwise turn "slice, then upcast to fp32" in the backward loop into
+  "upcast the whole stack" and hoist that out of the loop (loop-invariant code motion),
+  an fp32 copy of every layer's input."""
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _from_bits(bits, like):
+  return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_layers(fn, params, carry, args):
+  return jax.lax.scan(lambda c, p: (fn(gather(p), c, *args), None), carry, params)[0]
+
+
+def _scan_layers_fwd(fn, params, carry, args):
+  # Saves each layer's input carry, as full remat does; `params` is an input already.
+  out, inputs = jax.lax.scan(
+      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(_to_bits, c)), carry, params)
+  return out, (params, inputs, args)
+
+
+def _scan_layers_bwd(fn, residuals, ct):
+  params, inputs, args = residuals
+  layers = jax.tree.leaves(params)[0].shape[0]
+  layer_fn = lambda p, c, a: fn(gather(p), c, *a)
+  put = lambda tree, new, i: jax.tree.map(
+      lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), i, 0), tree, new)
+
+  def body(k, state):
+    ct, grads, pending, ct_args = state
+    i = layers - 1 - k
+    # The gradient of layer i + 1 (the previous iteration's) is written first and layer
+    # i's params are read from the result: the read depends on the write, so XLA
+    # updates the buffer in place. Written after the read, some gradients would not
+    # depend on it (a down projection's does not use its own weights), and XLA, unable
+    # to order the two, would copy the whole stack every layer. At k = 0 the index is
+    # clamped to the last layer, whose params `pending` holds unchanged.
+    grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
+    x = jax.tree.map(_from_bits, _layer(inputs, i), ct)
+    _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
+    pending, ct, d_args = vjp(ct)
+    ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, d_args)
+    return ct, grads, pending, ct_args
+
+  zeros = jax.tree.map(jnp.zeros_like, args)
+  ct, grads, pending, ct_args = jax.lax.fori_loop(
+      0, layers, body, (ct, params, _layer(params, layers - 1), zeros))
+  return put(grads, pending, 0), ct, ct_args
+
+
+_scan_layers.defvjp(_scan_layers_fwd, _scan_layers_bwd)
