@@ -39,7 +39,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 @exit_on_config_error
 def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
-  parser = ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+  parser = ArgumentParser(prog="train.py", description=__doc__.split("\n")[0],
+                          default_config=os.path.relpath(DEFAULT_CONFIG))
   parser.add_argument("--dry_run", action="store_true",
                       help="compile the step from abstract inputs, report memory, train nothing")
   parser.add_argument("--fake_devices", type=int, default=0,
@@ -53,7 +54,7 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
     parser.error(f"argument --fake_devices: {args.fake_devices} is not a number of devices")
   if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
     # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
-    # of the layer loop (DESIGN.md), so the CPU's numbers resemble a GPU's.
+    # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.build).
     fake_cpu_devices(args.fake_devices)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]

@@ -12,7 +12,7 @@ dumps the compiled HLO and lists the N largest temporaries alive at the peak, wi
 the JAX op that made each, to see where the memory goes. `--layers 8` is a quick
 proxy (seconds to compile): what grows with the params scales with the layers.
 
-`--xla-cpu-memory-flags` adds DESIGN.md's XLA:CPU flags: the memory-optimizing
+`--xla-cpu-memory-flags` adds zerojax.build's XLA:CPU flags: the memory-optimizing
 scheduler and no while-loop-invariant code motion (XLA:CPU upcasts bf16 and then
 hoists whole-stack f32 copies out of the layer loop).
 """

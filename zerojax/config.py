@@ -421,6 +421,16 @@ class ArgumentParser(argparse.ArgumentParser):
   `--confg` -> `--config`, a bare `configs/tiny.py` -> `--config configs/tiny.py`.
   """
 
+  def __init__(self, *args: Any, default_config: str | None = None, **kwargs: Any):
+    super().__init__(*args, **kwargs)
+    # `parse_argv` takes these out before argparse runs; they are here for --help.
+    group = self.add_argument_group("config (a Python file with get_config(), then overrides)")
+    group.add_argument("--config", metavar="PATH", help="the config file" + (
+        f" (default: {default_config})" if default_config else ""))
+    group.add_argument("--config.KEY", metavar="VALUE", dest="_override",
+                       help="set one key, e.g. --config.zero.stage=2; every key: "
+                            "python -m zerojax.config --keys")
+
   def error(self, message: str):  # argparse's own mistakes: a bad or missing value.
     raise ConfigError(f"{message}.", source="the command line", fix=f"see {self.prog} --help")
 
@@ -433,8 +443,8 @@ class ArgumentParser(argparse.ArgumentParser):
   def _unknown(self, arg: str) -> ConfigError:
     if arg.startswith("-"):
       name = arg.split("=", 1)[0]
-      options = ["--config"] + [o for a in self._actions for o in a.option_strings
-                                if o.startswith("--") and o != "--help"]
+      options = [o for a in self._actions for o in a.option_strings
+                 if o.startswith("--") and o not in ("--help", "--config.KEY")]
       # --cofig.zero.stage=2 is a --config.zero.stage=2 with a typo in its prefix.
       head = name.partition(".")[0]
       near = difflib.get_close_matches(head, options, n=1, cutoff=0.6)

@@ -6,7 +6,7 @@
 `estimate(config, devices)` is arithmetic on the config (no JAX work, milliseconds):
 per-device bytes of every component of a train step, in two views.
 
-* **Model state as users count it** (the ZeRO paper, DESIGN.md): bytes per parameter
+* **Model state as users count it** (the ZeRO paper's count): bytes per parameter
   of params + gradients + optimizer state, gradients in the param dtype (in fp32 with
   fp32 master weights, as DeepSpeed's bf16 mode keeps them), each sharded by its stage:
   70B with bf16 params, bf16 AdamW moments and a Kahan buffer is 10 B/param.
