@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import checkpoint, optim
+from zerojax import checkpoint, checksums, optim
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
 
@@ -56,6 +56,11 @@ def batch(step):
 def host_bytes(state):
   """Every leaf as raw bytes: equal means bit-identical."""
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def at_step(state, step):
+  """`state` as if `step` steps had been taken (a checkpoint's step is its state's)."""
+  return state._replace(step=jax.device_put(np.int32(step), state.step.sharding))
 
 
 def new_state(stage=3, dtype=jnp.bfloat16, steps=2):
@@ -187,7 +192,7 @@ def test_keep_last_and_every(tmp_path):
   _, state = new_state(steps=0)
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, keep=2, keep_every=4) as ckpt:
     for step in range(1, 10):
-      assert ckpt.maybe_save(step, state)
+      assert ckpt.maybe_save(step, at_step(state, step))
     ckpt.wait()
     assert ckpt.all_steps() == [4, 8, 9]
   assert sorted(os.listdir(tmp_path), key=int) == ["4", "8", "9"]
@@ -198,12 +203,12 @@ def test_save_every_minutes(tmp_path):
   # Every 2 s: the test must not stall that long between calls, even on a busy machine.
   with checkpoint.Checkpointer(tmp_path, save_every_steps=0, save_every_minutes=2 / 60,
                                async_save=False) as ckpt:
-    assert not ckpt.maybe_save(1, state)
+    assert not ckpt.maybe_save(1, at_step(state, 1))
     time.sleep(2.1)
-    assert ckpt.maybe_save(2, state)
-    assert not ckpt.maybe_save(3, state)
-    assert not ckpt.save(2, state)  # Already saved (a stop signal right after it).
-    assert ckpt.save(3, state)
+    assert ckpt.maybe_save(2, at_step(state, 2))
+    assert not ckpt.maybe_save(3, at_step(state, 3))
+    assert not ckpt.save(2, at_step(state, 2))  # Already saved (a stop signal right after it).
+    assert ckpt.save(3, at_step(state, 3))
 
 
 def test_incompatible_config_is_an_error(tmp_path):
@@ -213,7 +218,7 @@ def test_incompatible_config_is_an_error(tmp_path):
            "precision": {"param_dtype": "float32", "compute_dtype": "float32"}}
   same_model = {"model": {**config["model"], "remat": "dots"},
                 "precision": {"param_dtype": "bfloat16", "compute_dtype": "float32"}}
-  plan, state = new_state(steps=0)
+  plan, state = new_state(steps=1)
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
     ckpt.save(1, state, {"config": config})
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
@@ -271,7 +276,7 @@ def test_checksums_follow_the_definition_on_any_sharding(spec):
         n % np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())])
         == 0 for n, ax in zip(x.shape, spec))
     tree[name] = jax.device_put(x, NamedSharding(mesh, P(*spec) if fits else P()))
-  got = checkpoint._describe(tree)  # pylint: disable=protected-access
+  got = checksums.describe(tree)
   assert {k: v[2] for k, v in got.items()} == {
       f"['{name}']": reference_checksum(x) for name, x in arrays.items()}
 
@@ -282,7 +287,7 @@ def test_checksums_need_little_memory():
   mesh = zerojax.make_mesh(1, 8)
   leaf = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.bfloat16,
                               sharding=NamedSharding(mesh, P(None, "fsdp")))
-  checksums = checkpoint._checksums  # pylint: disable=protected-access
-  memory = checksums(jax.tree.structure([leaf]), (leaf.sharding,)).lower(
+  jitted = checksums.jitted
+  memory = jitted(jax.tree.structure([leaf]), (leaf.sharding,)).lower(
       [leaf]).compile().memory_analysis()
   assert memory.temp_size_in_bytes < 0.1 * memory.argument_size_in_bytes
