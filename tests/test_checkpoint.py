@@ -1,10 +1,12 @@
 """Checkpoints: exact resume, restore onto other meshes and stages, damage, retention."""
 
+import errno
 import functools
 import glob
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import jax
@@ -19,6 +21,7 @@ from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
 
 KEY = jax.random.key(0)
+LEAKS = ("Traceback", "Exception ignored", "Event loop is closed", "ERROR:absl")
 
 
 def make_plan(stage, dtype=jnp.bfloat16, devices=None):
@@ -124,8 +127,18 @@ def largest_data_file(step_dir):
   return max(files, key=os.path.getsize)
 
 
-@pytest.mark.parametrize("damage", ["swapped", "truncated", "no_meta"])
-def test_damaged_checkpoint_is_skipped(tmp_path, damage):
+# Files a damaged checkpoint may lack, and the reason the error gives for each damage.
+MISSING = {"no_meta": "meta/metadata", "no_metadata": "state/_METADATA",
+           "no_manifest": "state/manifest.ocdbt"}
+REASONS = {"swapped": "fail their checksums",
+           "truncated": r"cannot read the state: file state/d/\w+ is truncated \(\d+ bytes",
+           "no_meta": "cannot read its meta: its file meta/metadata is missing",
+           "no_metadata": "cannot read the state: its file state/_METADATA is missing",
+           "no_manifest": "cannot read the state: its file state/manifest.ocdbt is missing"}
+
+
+@pytest.mark.parametrize("damage", REASONS)
+def test_damaged_checkpoint_is_skipped(tmp_path, capfd, damage):
   plan, state = new_state(steps=1)
   messages = []
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
@@ -142,16 +155,15 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
   else:
-    os.remove(os.path.join(step_2, "meta", "metadata"))
+    os.remove(os.path.join(step_2, MISSING[damage]))
   # A save killed before its commit (what SIGKILL mid-save leaves): never a checkpoint.
   shutil.copytree(os.path.join(tmp_path, "1"), os.path.join(tmp_path, "3.orbax-checkpoint-tmp"))
 
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
     assert ckpt.all_steps() == [1, 2]
-    reason = {"swapped": "fail their checksums", "truncated": "cannot read the state",
-              "no_meta": "cannot read its meta"}[damage]
-    with pytest.raises(checkpoint.DamagedCheckpointError, match=reason):
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=REASONS[damage]) as e:
       ckpt.restore(2, plan)
+    assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
     restored, meta = ckpt.restore_latest(plan)
     assert meta["step"] == 1 and host_bytes(restored) == older
     assert ckpt.all_steps() == [1]
@@ -163,6 +175,10 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
     with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint"):
       ckpt.restore_latest(plan)
+  # Reads still in flight when the first failed end before their event loop, so they
+  # leave no "Event loop is closed" / "Exception ignored in <coroutine>" behind.
+  time.sleep(1)
+  assert not [leak for leak in LEAKS if leak in capfd.readouterr().err]
 
 
 def test_flipped_bytes_are_caught_or_harmless(tmp_path):
@@ -209,6 +225,57 @@ def test_save_every_minutes(tmp_path):
     assert not ckpt.maybe_save(3, at_step(state, 3))
     assert not ckpt.save(2, at_step(state, 2))  # Already saved (a stop signal right after it).
     assert ckpt.save(3, at_step(state, 3))
+
+
+def test_a_checkpoint_holds_the_state_of_its_own_step(tmp_path):
+  _, state = new_state(steps=2)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    with pytest.raises(ValueError, match="checkpoint 3 would hold the state of step 2"):
+      ckpt.save(3, state)
+  assert os.listdir(tmp_path) == []
+
+
+def fill(disk) -> None:
+  """Writes a file as large as the free space of `disk`."""
+  with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(b"\0" * 65536)
+    except OSError as e:
+      assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_save_is_one_save_error_at_the_next_step(tmp_path, capfd, async_save):
+  """A real tmpfs, filled up after the first checkpoint: the second save fails."""
+  if os.geteuid() != 0:
+    pytest.skip("mounting a small tmpfs (the full disk) needs root")
+  _, state = new_state(steps=1)
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                         capture_output=True, text=True)
+  if mount.returncode:
+    pytest.skip(f"cannot mount a tmpfs: {mount.stderr.strip()}")
+  try:
+    ckpt = checkpoint.Checkpointer(disk, save_every_steps=100, async_save=async_save)
+    assert ckpt.save(1, state)
+    ckpt.wait()
+    fill(disk)
+    state, _ = compiled(3)[1](state, batch(1))
+    with pytest.raises(checkpoint.SaveError) as e:
+      ckpt.save(2, state)  # Synchronous: fails here.
+      deadline = time.monotonic() + 60
+      while time.monotonic() < deadline:  # Async: at the first step after it failed.
+        ckpt.maybe_save(3, at_step(state, 3))
+        time.sleep(0.01)
+    assert str(e.value) == (f"checkpoint {disk}/2 could not be written: No space left on "
+                            f"device; the last good checkpoint is {disk}/1")
+    ckpt.close()  # Reported once: no second error.
+    assert sorted(os.listdir(disk)) == ["1", "2.orbax-checkpoint-tmp", "filler"]
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+  assert not [leak for leak in LEAKS if leak in capfd.readouterr().err]
 
 
 def test_incompatible_config_is_an_error(tmp_path):

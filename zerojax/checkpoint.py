@@ -437,15 +437,17 @@ class Checkpointer:
     """
     if self._closed:
       return
-    self._closed, reported = True, self._failed
-    try:
-      self.wait()
-    except SaveError:
-      if not reported:
-        raise
-    finally:
-      self._manager.close()
-      logging.getLogger("absl").removeFilter(self._quiet)
+    self._closed, reported, errors = True, self._failed, []
+    for end in (self.wait, self._manager.close):  # The second even if the first fails.
+      try:
+        end()
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+    logging.getLogger("absl").removeFilter(self._quiet)
+    if errors and not reported:
+      if isinstance(errors[0], SaveError):
+        raise errors[0]
+      raise self._save_error(None, errors[0]) from errors[0]
 
   def __enter__(self) -> Checkpointer:
     return self
