@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -217,3 +218,78 @@ def test_launcher_passes_75_through_without_killing_the_others():
   failed = launch("75,3,0")
   assert failed.returncode == 3 and "process 1 exited with status 3" in failed.stderr
   assert "[2] saved" not in failed.stdout  # Stopped (SIGTERM) before it got there.
+
+
+def kill_when(proc: subprocess.Popen, seen, timeout: float = 300) -> list[str]:
+  """SIGKILLs `proc` once `seen(lines)` holds for its stdout lines so far (or at the
+  timeout); returns the lines."""
+  lines, done = [], threading.Event()
+
+  def read():
+    for line in proc.stdout:
+      lines.append(line)
+      if seen(lines):
+        break
+    done.set()
+
+  threading.Thread(target=read, daemon=True).start()
+  done.wait(timeout)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate(timeout=60)
+  return lines
+
+
+def trained_steps(lines: list[str]) -> int:
+  return sum(bool(re.match(r"step +\d+/\d+ ", line)) for line in lines)
+
+
+def committed(checkpoints) -> list[int]:
+  return sorted(int(n) for n in os.listdir(checkpoints) if n.isdigit())
+
+
+@pytest.mark.slow
+def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
+  """Six SIGKILLs: after 1, 2 or 3 steps (with delays that land inside steps and
+  saves), during start-up, and twice mid-save for certain (the save stalled inside
+  orbax's writer, as in test_sigkill_mid_save_resumes_from_the_previous_checkpoint).
+  Each restart resumes from the newest committed checkpoint and takes the dead run's
+  lock over; every step, trained once or again after a kill, has the uninterrupted
+  run's loss and gradient norm, and the final checkpoints are bit-identical."""
+  common = (*COMMON, "--config.train.steps=16", "--config.checkpoint.every_steps=2")
+  straight, w = tmp_path / "straight", tmp_path / "killed"
+  result = run_train(*common, f"--workdir={straight}", env=env)
+  assert result.returncode == exits.DONE, result.stderr[-3000:]
+  ckpts, marker = w / "checkpoints", tmp_path / "stalled"
+  kills = [(1, 0.0), ("stall", 0), (3, 0.3), ("start", 0), ("stall", 0), (2, 0.1)]
+  for i, (when, delay) in enumerate(kills):
+    before = committed(ckpts) if ckpts.exists() else []
+    if when == "stall":  # The save after the newest checkpoint stalls mid-write.
+      stall = (before[-1] if before else 0) + 2
+      proc = start_train(*common, f"--workdir={w}", prefix=("-c", STALLED_TRAIN, TRAIN),
+                         env=dict(env, STALL_STEP=str(stall), STALL_AFTER="8",
+                                  STALL_MARKER=str(marker)))
+      lines = kill_when(proc, lambda _: marker.exists())
+      assert os.path.isdir(ckpts / f"{stall}.orbax-checkpoint-tmp"), lines[-5:]
+      marker.unlink()
+    else:
+      proc = start_train(*common, f"--workdir={w}", env=env)
+      seen = ((lambda ls: "resumed from" in ls[-1]) if when == "start" else
+              (lambda ls, n=when: trained_steps(ls) >= n))
+      lines = kill_when(proc, lambda ls, seen=seen: seen(ls) and (time.sleep(delay) or True))
+    assert proc.returncode == -signal.SIGKILL, "".join(lines[-20:])
+    if before:  # Each start resumes from the newest committed checkpoint of the last kill.
+      assert f"resumed from {ckpts}/{before[-1]}\n" in lines, lines[-20:]
+    if i:  # The lock of the run killed before.
+      assert "note: took over" in "".join(lines), lines[:5]
+  final = run_train(*common, f"--workdir={w}", env=env)
+  assert final.returncode == exits.DONE, final.stderr[-3000:]
+  assert f"resumed from {ckpts}/" in final.stdout and "done: 16 steps" in final.stdout
+  assert "note: took over" in final.stdout
+
+  want = {r["step"]: (r["loss"], r["grad_norm"]) for r in step_records(straight)}
+  got = [(r["step"], (r["loss"], r["grad_norm"])) for r in step_records(w)]
+  assert len(got) > 16 and all(want[step] == values for step, values in got), got
+  assert committed(ckpts) == committed(straight / "checkpoints") == [12, 14, 16]
+  for step in ("12", "14", "16"):
+    x, y = checkpoint_leaves(straight / "checkpoints" / step), checkpoint_leaves(ckpts / step)
+    assert x.keys() == y.keys() and all(x[k].tobytes() == y[k].tobytes() for k in x), step
