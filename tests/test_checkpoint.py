@@ -3,6 +3,7 @@
 import errno
 import functools
 import glob
+import logging
 import os
 import shutil
 import signal
@@ -21,7 +22,6 @@ from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
 
 KEY = jax.random.key(0)
-LEAKS = ("Traceback", "Exception ignored", "Event loop is closed", "ERROR:absl")
 
 
 def make_plan(stage, dtype=jnp.bfloat16, devices=None):
@@ -137,8 +137,11 @@ REASONS = {"swapped": "fail their checksums",
            "no_manifest": "cannot read the state: its file state/manifest.ocdbt is missing"}
 
 
+# Reads still in flight when the first one failed must end before their event loop:
+# else each is an "Event loop is closed" that Python reports as unraisable.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", REASONS)
-def test_damaged_checkpoint_is_skipped(tmp_path, capfd, damage):
+def test_damaged_checkpoint_is_skipped(tmp_path, damage):
   plan, state = new_state(steps=1)
   messages = []
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
@@ -175,10 +178,6 @@ def test_damaged_checkpoint_is_skipped(tmp_path, capfd, damage):
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
     with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint"):
       ckpt.restore_latest(plan)
-  # Reads still in flight when the first failed end before their event loop, so they
-  # leave no "Event loop is closed" / "Exception ignored in <coroutine>" behind.
-  time.sleep(1)
-  assert not [leak for leak in LEAKS if leak in capfd.readouterr().err]
 
 
 def test_flipped_bytes_are_caught_or_harmless(tmp_path):
@@ -246,7 +245,7 @@ def fill(disk) -> None:
 
 
 @pytest.mark.parametrize("async_save", [True, False])
-def test_a_failed_save_is_one_save_error_at_the_next_step(tmp_path, capfd, async_save):
+def test_a_failed_save_is_one_save_error_at_the_next_step(tmp_path, caplog, async_save):
   """A real tmpfs, filled up after the first checkpoint: the second save fails."""
   if os.geteuid() != 0:
     pytest.skip("mounting a small tmpfs (the full disk) needs root")
@@ -275,7 +274,8 @@ def test_a_failed_save_is_one_save_error_at_the_next_step(tmp_path, capfd, async
     assert sorted(os.listdir(disk)) == ["1", "2.orbax-checkpoint-tmp", "filler"]
   finally:
     subprocess.run(["umount", str(disk)], check=True)
-  assert not [leak for leak in LEAKS if leak in capfd.readouterr().err]
+  # orbax's own error records (a traceback from each of its threads) are dropped.
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-3000:]
 
 
 def test_incompatible_config_is_an_error(tmp_path):
