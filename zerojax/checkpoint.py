@@ -289,7 +289,8 @@ class Checkpointer:
     if step != int(state.step):  # Waits for the step; saving would, too.
       raise ValueError(f"checkpoint {step} would hold the state of step {int(state.step)}")
     meta = {**(meta or {}), "step": int(step), "data_position": int(step),
-            "zerojax_version": importlib.metadata.version("zerojax"), "leaves": checksums.describe(state)}
+            "zerojax_version": importlib.metadata.version("zerojax"),
+            "leaves": checksums.describe(state)}
     self.wait()  # orbax would, first thing; an earlier failure is that save's.
     try:
       return self._manager.save(step, force=True, args=ocp.args.Composite(
