@@ -4,7 +4,8 @@
     python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/x
     python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64
 
-At start it prints the resolved config (saved as <workdir>/config.json), the mesh, the
+At start it prints the resolved config (saved as <workdir>/config.json once the run is
+accepted: the workdir's lock taken, the checkpoint resumed), the mesh, the
 parameter count and the compiled per-device memory of the step; then a progress line
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
 and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
@@ -13,7 +14,9 @@ abstract inputs (nothing is allocated, so a 70B config works on a laptop with
 status 2, before the config is printed; on CPU a step larger than the host's free memory
 is refused the same way before anything is allocated (not in a dry run). Several
 processes (README, Multi-host): the same command on each; exit status 4 if they do not
-all join within distributed.initialization_timeout.
+all join within distributed.initialization_timeout. Stopped early by SIGTERM, Ctrl-C or
+--stop_after: saved, exit status 75; the same command resumes. Every status:
+zerojax/exits.py.
 """
 
 import contextlib
@@ -25,8 +28,8 @@ import jax
 import numpy as np
 
 import zerojax
-from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
-                     precision)
+from zerojax import (checkpoint, data, distributed, exits, memory, memory_report, metrics,
+                     precision, workdir)
 from zerojax.build import build, compile_step, fake_cpu_devices
 from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
                             parse_argv)
@@ -66,9 +69,8 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   config = load_config(path, overrides, num_devices=jax.device_count())
   c, t = config, config.train
   report = metrics.Reporter(c.workdir)
-  if c.workdir and jax.process_index() == 0:
-    with open(os.path.join(c.workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+  if c.workdir:  # One run per workdir: another one refuses (exit 2) before touching it.
+    cleanup.enter_context(workdir.lock(c.workdir, log=report))
   if c.init_from:  # A model section that contradicts its config.json: HFError, exit 2.
     hf.check_config(c.init_from, c.model)
   # Checkpoints in <workdir>/checkpoints; a config that contradicts the newest one is an
@@ -133,7 +135,7 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
                                  memory_report.format_suggestions(estimate, found)])),
          memory_estimate=estimate.total)
   if args.dry_run:
-    return 0
+    return exits.DONE
   if host and total * jax.local_device_count() > host:
     raise ConfigError(
         f"the step needs {metrics.fmt_bytes(total * jax.local_device_count())} of host memory "
@@ -157,6 +159,14 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
       report(f"initialized from {c.init_from}", init_from=c.init_from)
     state = zerojax.init_state(plan, model.init, tx, key, loss_scaling, params=params)
   start = int(state.step)  # The data position: batches are a pure function of the step.
+  if start >= t.steps:  # Nothing to train, and so nothing to save.
+    report(f"done: already at step {start} of {t.steps}" if start == t.steps else
+           f"done: checkpoint {ckpt.directory}/{start} is past train.steps={t.steps}: "
+           f"nothing to train or save (a larger --config.train.steps trains on)", step=start)
+    return exits.DONE
+  if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
+    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   stop = checkpoint.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
   eval_step = zerojax.make_eval_step(plan, model.loss)
   rows = data.process_rows(t.global_batch_size)
@@ -208,7 +218,8 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
       report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
     if ckpt:
       ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
-    if stop(step) or step == args.stop_after:  # --stop_after: exactly like a SIGTERM.
+    # --stop_after: exactly like a SIGTERM. After the last step, done is done.
+    if step < t.steps and (stop(step) or step == args.stop_after):
       if ckpt:
         ckpt.save(step, state, run_meta)  # No-op if maybe_save just saved this step.
         ckpt.close()  # Waits for the write to commit.
@@ -219,20 +230,17 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
       report(f"stopped by {why} after step {step}: "
              + ("saved; the same command resumes" if ckpt else "no workdir, nothing saved"),
              step=step, stopped=True)
-      return 0
+      return exits.STOPPED
   stop.close()
   if ckpt:
     ckpt.save(t.steps, state, run_meta)  # The final state (no-op if already saved).
     ckpt.close()
-  if previous is None:
-    report(f"done: already at step {start} of {t.steps}", step=start)
-    return 0
   check_skips(*previous)
   report.stop_bar()
   report(f"done: {t.steps} steps  final train loss {m['loss']:.4f}  final eval loss "
          f"{eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
          final_eval_loss=eval_loss)
-  return 0
+  return exits.DONE
 
 
 def run(argv: list[str]) -> int:
@@ -241,11 +249,15 @@ def run(argv: list[str]) -> int:
       return main(argv, cleanup)
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return 3
-  except (data.DataError, checkpoint.CheckpointError, hf.HFError) as e:  # Like a bad config: exit 2.
+    return exits.NON_FINITE
+  except checkpoint.SaveError as e:  # Disk full, no permission: the line says which.
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return exits.SAVE_FAILED
+  except (data.DataError, checkpoint.CheckpointError, hf.HFError,
+          workdir.WorkdirInUse) as e:  # Like a bad config: exit 2.
     # The message, no traceback.
     print(f"error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return exits.BAD_INPUT
 
 
 if __name__ == "__main__":

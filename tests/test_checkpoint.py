@@ -1,10 +1,13 @@
 """Checkpoints: exact resume, restore onto other meshes and stages, damage, retention."""
 
+import errno
 import functools
 import glob
+import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import jax
@@ -14,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import checkpoint, optim
+from zerojax import checkpoint, checksums, optim
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
 
@@ -56,6 +59,11 @@ def batch(step):
 def host_bytes(state):
   """Every leaf as raw bytes: equal means bit-identical."""
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def at_step(state, step):
+  """`state` as if `step` steps had been taken (a checkpoint's step is its state's)."""
+  return state._replace(step=jax.device_put(np.int32(step), state.step.sharding))
 
 
 def new_state(stage=3, dtype=jnp.bfloat16, steps=2):
@@ -119,7 +127,20 @@ def largest_data_file(step_dir):
   return max(files, key=os.path.getsize)
 
 
-@pytest.mark.parametrize("damage", ["swapped", "truncated", "no_meta"])
+# Files a damaged checkpoint may lack, and the reason the error gives for each damage.
+MISSING = {"no_meta": "meta/metadata", "no_metadata": "state/_METADATA",
+           "no_manifest": "state/manifest.ocdbt"}
+REASONS = {"swapped": "fail their checksums",
+           "truncated": r"cannot read the state: file state/d/\w+ is truncated \(\d+ bytes",
+           "no_meta": "cannot read its meta: its file meta/metadata is missing",
+           "no_metadata": "cannot read the state: its file state/_METADATA is missing",
+           "no_manifest": "cannot read the state: its file state/manifest.ocdbt is missing"}
+
+
+# Reads still in flight when the first one failed must end before their event loop:
+# else each is an "Event loop is closed" that Python reports as unraisable.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", REASONS)
 def test_damaged_checkpoint_is_skipped(tmp_path, damage):
   plan, state = new_state(steps=1)
   messages = []
@@ -137,16 +158,15 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
       with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
   else:
-    os.remove(os.path.join(step_2, "meta", "metadata"))
+    os.remove(os.path.join(step_2, MISSING[damage]))
   # A save killed before its commit (what SIGKILL mid-save leaves): never a checkpoint.
   shutil.copytree(os.path.join(tmp_path, "1"), os.path.join(tmp_path, "3.orbax-checkpoint-tmp"))
 
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
     assert ckpt.all_steps() == [1, 2]
-    reason = {"swapped": "fail their checksums", "truncated": "cannot read the state",
-              "no_meta": "cannot read its meta"}[damage]
-    with pytest.raises(checkpoint.DamagedCheckpointError, match=reason):
+    with pytest.raises(checkpoint.DamagedCheckpointError, match=REASONS[damage]) as e:
       ckpt.restore(2, plan)
+    assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
     restored, meta = ckpt.restore_latest(plan)
     assert meta["step"] == 1 and host_bytes(restored) == older
     assert ckpt.all_steps() == [1]
@@ -187,7 +207,7 @@ def test_keep_last_and_every(tmp_path):
   _, state = new_state(steps=0)
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, keep=2, keep_every=4) as ckpt:
     for step in range(1, 10):
-      assert ckpt.maybe_save(step, state)
+      assert ckpt.maybe_save(step, at_step(state, step))
     ckpt.wait()
     assert ckpt.all_steps() == [4, 8, 9]
   assert sorted(os.listdir(tmp_path), key=int) == ["4", "8", "9"]
@@ -198,12 +218,64 @@ def test_save_every_minutes(tmp_path):
   # Every 2 s: the test must not stall that long between calls, even on a busy machine.
   with checkpoint.Checkpointer(tmp_path, save_every_steps=0, save_every_minutes=2 / 60,
                                async_save=False) as ckpt:
-    assert not ckpt.maybe_save(1, state)
+    assert not ckpt.maybe_save(1, at_step(state, 1))
     time.sleep(2.1)
-    assert ckpt.maybe_save(2, state)
-    assert not ckpt.maybe_save(3, state)
-    assert not ckpt.save(2, state)  # Already saved (a stop signal right after it).
-    assert ckpt.save(3, state)
+    assert ckpt.maybe_save(2, at_step(state, 2))
+    assert not ckpt.maybe_save(3, at_step(state, 3))
+    assert not ckpt.save(2, at_step(state, 2))  # Already saved (a stop signal right after it).
+    assert ckpt.save(3, at_step(state, 3))
+
+
+def test_a_checkpoint_holds_the_state_of_its_own_step(tmp_path):
+  _, state = new_state(steps=2)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
+    with pytest.raises(ValueError, match="checkpoint 3 would hold the state of step 2"):
+      ckpt.save(3, state)
+  assert os.listdir(tmp_path) == []
+
+
+def fill(disk) -> None:
+  """Writes a file as large as the free space of `disk`."""
+  with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
+    try:
+      while True:
+        f.write(b"\0" * 65536)
+    except OSError as e:
+      assert e.errno == errno.ENOSPC, e
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_save_is_one_save_error_at_the_next_step(tmp_path, caplog, async_save):
+  """A real tmpfs, filled up after the first checkpoint: the second save fails."""
+  if os.geteuid() != 0:
+    pytest.skip("mounting a small tmpfs (the full disk) needs root")
+  _, state = new_state(steps=1)
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)],
+                         capture_output=True, text=True)
+  if mount.returncode:
+    pytest.skip(f"cannot mount a tmpfs: {mount.stderr.strip()}")
+  try:
+    ckpt = checkpoint.Checkpointer(disk, save_every_steps=100, async_save=async_save)
+    assert ckpt.save(1, state)
+    ckpt.wait()
+    fill(disk)
+    state, _ = compiled(3)[1](state, batch(1))
+    with pytest.raises(checkpoint.SaveError) as e:
+      ckpt.save(2, state)  # Synchronous: fails here.
+      deadline = time.monotonic() + 60
+      while time.monotonic() < deadline:  # Async: at the first step after it failed.
+        ckpt.maybe_save(3, at_step(state, 3))
+        time.sleep(0.01)
+    assert str(e.value) == (f"checkpoint {disk}/2 could not be written: No space left on "
+                            f"device; the last good checkpoint is {disk}/1")
+    ckpt.close()  # Reported once: no second error.
+    assert sorted(os.listdir(disk)) == ["1", "2.orbax-checkpoint-tmp", "filler"]
+  finally:
+    subprocess.run(["umount", str(disk)], check=True)
+  # orbax's own error records (a traceback from each of its threads) are dropped.
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text[-3000:]
 
 
 def test_incompatible_config_is_an_error(tmp_path):
@@ -213,7 +285,7 @@ def test_incompatible_config_is_an_error(tmp_path):
            "precision": {"param_dtype": "float32", "compute_dtype": "float32"}}
   same_model = {"model": {**config["model"], "remat": "dots"},
                 "precision": {"param_dtype": "bfloat16", "compute_dtype": "float32"}}
-  plan, state = new_state(steps=0)
+  plan, state = new_state(steps=1)
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
     ckpt.save(1, state, {"config": config})
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1) as ckpt:
@@ -271,7 +343,7 @@ def test_checksums_follow_the_definition_on_any_sharding(spec):
         n % np.prod([mesh.shape[a] for a in ((ax,) if isinstance(ax, str) else ax or ())])
         == 0 for n, ax in zip(x.shape, spec))
     tree[name] = jax.device_put(x, NamedSharding(mesh, P(*spec) if fits else P()))
-  got = checkpoint._describe(tree)  # pylint: disable=protected-access
+  got = checksums.describe(tree)
   assert {k: v[2] for k, v in got.items()} == {
       f"['{name}']": reference_checksum(x) for name, x in arrays.items()}
 
@@ -282,7 +354,7 @@ def test_checksums_need_little_memory():
   mesh = zerojax.make_mesh(1, 8)
   leaf = jax.ShapeDtypeStruct((16, 1024, 1024), jnp.bfloat16,
                               sharding=NamedSharding(mesh, P(None, "fsdp")))
-  checksums = checkpoint._checksums  # pylint: disable=protected-access
-  memory = checksums(jax.tree.structure([leaf]), (leaf.sharding,)).lower(
+  jitted = checksums.jitted
+  memory = jitted(jax.tree.structure([leaf]), (leaf.sharding,)).lower(
       [leaf]).compile().memory_analysis()
   assert memory.temp_size_in_bytes < 0.1 * memory.argument_size_in_bytes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import data, optim
+from zerojax import data, exits, optim
 from zerojax.config import base_config
 from zerojax.mesh import make_mesh
 
@@ -231,10 +231,10 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   first = run_train(*common, f"--workdir={straight}", env=env)
   assert first.returncode == 0, first.stderr[-2000:]
-  # --stop_after: what train.py does on SIGTERM after that step (save, exit 0), but at a
+  # --stop_after: what train.py does on SIGTERM after that step (save, exit 75), but at a
   # known step; train.steps, and so the schedule, stay those of the straight run.
   stopped = run_train(*common, f"--stop_after={k}", f"--workdir={resumed}", env=env)
-  assert stopped.returncode == 0, stopped.stderr[-2000:]
+  assert stopped.returncode == exits.STOPPED, stopped.stderr[-2000:]
   assert f"stopped by --stop_after after step {k}: saved" in stopped.stdout
   assert [r["step"] for r in step_records(resumed)] == list(range(1, k + 1))
   again = run_train(*common, f"--workdir={resumed}", env=env)

@@ -16,29 +16,34 @@ config, and a checksum, shape and dtype per state leaf).
   message, moves it aside (`<step>.damaged`) and restores the one before.
 - **Restore anywhere.** The state is read straight onto the shardings of any plan
   (`zerojax.abstract_state(plan)`): another mesh, device count or ZeRO stage.
+- **A failed save is an error, at once.** orbax writes in a background thread and
+  raises its error only at the next save; `maybe_save` (called every step) checks the
+  thread and raises `SaveError`, naming the cause (disk full, permission) and the last
+  good checkpoint. orbax's own log of the failure (a traceback per thread) is kept off
+  stderr while a `Checkpointer` is open: the `SaveError` says it in one line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
-import functools
 import importlib.metadata
 import json
 import logging
-import math
 import os
+import re
 import signal
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import PartitionSpec as P
+from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 
+from zerojax import checksums
 from zerojax import step as step_lib
 from zerojax import zero
 
@@ -58,6 +63,10 @@ class CheckpointError(ValueError):
 
 class DamagedCheckpointError(CheckpointError):
   """A checkpoint whose files are missing, unreadable or fail their checksums."""
+
+
+class SaveError(RuntimeError):
+  """A checkpoint that could not be written (disk full, no permission, ...)."""
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -92,99 +101,69 @@ def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
         "\n  ".join(diffs) + "\nuse the checkpoint's values, or start in a new workdir")
 
 
-_K = 2654435761  # Odd: the weights `index * _K + 1` of any two positions differ.
+# Files orbax (OCDBT layout) cannot read a checkpoint without. When a read fails, a
+# missing one is the cause to name: orbax calls a missing `_METADATA` a "pytree
+# structure error", and a missing manifest a missing array.
+_META_FILES = ("meta/metadata",)
+_STATE_FILES = ("state/_METADATA", "state/manifest.ocdbt")
+# TensorStore ends its messages with annotations such as its whole spec as JSON
+# (kilobytes): [tensorstore_spec='{...}'], [os_error_code='28'].
+_ANNOTATIONS = re.compile(r"\s*\[[a-z_]+(\[\d+\])?='.*$", re.S)
+_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+_TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) '
+                        r"is not valid for value of size (\d+)")
 
 
-def _bits(x: jax.Array) -> jax.Array:
-  """`x` as unsigned integers of its own width (8-byte dtypes: two uint32 per element,
-  along the last axis); bool stays bool."""
-  if x.dtype == jnp.bool_:
-    return x
-  if x.dtype.itemsize >= 4:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(*x.shape[:-1], -1)
-  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+def _cause(error: BaseException, where: str) -> str:
+  """Why orbax or TensorStore failed, in one short line (paths relative to `where`)."""
+  chain = [error]
+  while chain[-1].__cause__ or chain[-1].__context__:
+    chain.append(chain[-1].__cause__ or chain[-1].__context__)
+  for e in chain:
+    if isinstance(e, OSError) and e.strerror:
+      return e.strerror + (f": {e.filename}" if e.filename else "")
+  text = str(error).strip() or type(error).__name__
+  if m := _TRUNCATED.search(text):
+    name = os.path.relpath(m[1], where) if m[1].startswith(where + os.sep) else m[1]
+    return f"file {name} is truncated ({m[3]} bytes of at least {m[2]})"
+  if m := _OS_ERROR.search(text):
+    return os.strerror(int(m[1]))
+  return _ANNOTATIONS.sub("", text.splitlines()[0])
 
 
-def _block_checksum(block: jax.Array, shape: tuple[int, ...], offsets: list) -> jax.Array:
-  """sum(bits * (global flat index * _K + 1)) mod 2**32 over `block` (ndim >= 1), the
-  part of an array of `shape` that starts at `offsets`; each element's bits are one
-  uint32 word (two for 8-byte dtypes, the second at index + 1).
+def _run_to_the_end(coro: Any) -> Any:
+  """orbax's `asyncio_utils._run_sync_via_new_loop`, but the loop is closed only once
+  every task on it has ended.
 
-  Summed in two stages with a barrier between: groups of <= 32 words along the last
-  axis (XLA:CPU fuses the weighting into such a reduction), then the rest. In one
-  reduction XLA:CPU materializes the whole weighted uint32 product: 2x a bf16 state's
-  bytes on top of the state (measured).
+  When one read of a restore (or one write of a save) fails, orbax closes its loop with
+  the others still in flight; each then prints "RuntimeError: Event loop is closed"
+  (TensorStore's callback) or "Exception ignored in <coroutine>" long after the error
+  was handled.
   """
-  w = 2 if block.dtype.itemsize == 8 else 1
-  cols = block.shape[-1] * w
-  group = max(g for g in range(1, 33) if cols % g == 0)
-  bits = _bits(block).reshape(*block.shape[:-1], cols // group, group).astype(jnp.uint32)
-  u32 = functools.partial(jnp.asarray, dtype=jnp.uint32)
-  iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, bits.shape)
-  index, stride = u32(offsets[-1]) * u32(w) + iota(bits.ndim - 2) * u32(group) + iota(
-      bits.ndim - 1), w  # Of the last axis, in words; then the others, mod 2**32.
-  for d in reversed(range(block.ndim - 1)):
-    stride = stride * shape[d + 1] % 2**32
-    index = index + (u32(offsets[d]) + iota(d)) * u32(stride)
-  groups = jnp.sum(bits * (index * u32(_K) + u32(1)), axis=-1, dtype=jnp.uint32)
-  return jnp.sum(jax.lax.optimization_barrier(groups), dtype=jnp.uint32)
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    if pending := asyncio.all_tasks(loop):
+      loop.run_until_complete(asyncio.wait(pending))
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
-def _leaf_checksum(x: jax.Array, sharding: Any = None) -> jax.Array:
-  """A uint32 checksum of the bits of `x` that does not depend on its sharding.
-
-  Each element's bits are weighted by an odd multiple of its global position and
-  summed mod 2**32: exact integer arithmetic in any reduction order, so every mesh
-  and stage gets the same number, and a moved block changes it as a flipped bit does.
-  With a `NamedSharding` that divides `x` evenly, each device sums its own block (one
-  device per replica group counts it) and the blocks' sums are added up.
-  """
-  shape = x.shape or (1,)
-  if not isinstance(sharding, jax.sharding.NamedSharding) or not x.shape:
-    return _block_checksum(x.reshape(shape), shape, [0] * len(shape))
-  mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
-  if any(n % math.prod(mesh.shape[a] for a in ax) for n, ax in zip(shape, axes)):
-    return _block_checksum(x, shape, [0] * len(shape))  # Uneven: GSPMD, more memory.
-
-  def local(block):
-    offsets = []
-    for n, ax in zip(block.shape, axes):
-      position = jnp.uint32(0)
-      for a in ax:
-        position = (position * jnp.uint32(mesh.shape[a]) +
-                    jax.lax.axis_index(a).astype(jnp.uint32))
-      offsets.append(position * jnp.uint32(n))
-    counts = jnp.bool_(True)  # The first of each group of replicas.
-    for a in set(mesh.axis_names) - {a for ax in axes for a in ax}:
-      counts &= jax.lax.axis_index(a) == 0
-    total = jnp.where(counts, _block_checksum(block, shape, offsets), jnp.uint32(0))
-    return jax.lax.psum(total, tuple(mesh.axis_names))
-
-  return jax.shard_map(local, mesh=mesh, in_specs=P(*spec), out_specs=P(), check_vma=False)(x)
+def _let_tasks_end() -> None:
+  """Makes orbax run its coroutines (reads, and writes in its background threads) with
+  `_run_to_the_end`, for good: a loop whose tasks all ended is all orbax expects."""
+  if hasattr(orbax_asyncio, "_run_sync_via_new_loop"):  # Else another orbax: its own way.
+    orbax_asyncio._run_sync_via_new_loop = _run_to_the_end  # pylint: disable=protected-access
 
 
-@functools.lru_cache(maxsize=8)
-def _checksums(treedef: Any, shardings: tuple) -> Callable:
-  """One jitted function: the leaves of a tree of `treedef` -> their checksums."""
-  return jax.jit(lambda leaves: [_leaf_checksum(x, s) for x, s in zip(leaves, shardings)])
-
-
-def _describe(state: Any) -> dict[str, list]:
-  """{leaf path: [shape, dtype, checksum]} of a (sharded) state."""
-  leaves, treedef = jax.tree.flatten(state)
-  sums = jax.device_get(_checksums(treedef, tuple(getattr(x, "sharding", None)
-                                                  for x in leaves))(leaves))
-  return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype), int(s)]
-          for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state), sums,
-                                  strict=True)}
-
-
-def _read(where: str, what: str, read: Callable[[], Any]) -> Any:
+def _read(where: str, what: str, read: Callable[[], Any], needs: tuple[str, ...]) -> Any:
   """`read()`; if it fails on any process, `DamagedCheckpointError` on every one.
 
   Processes read their own shards, so only some may fail; they must agree, or some
-  would go on to the checksums (collective) and wait for the others forever.
+  would go on to the checksums (collective) and wait for the others forever. `needs`:
+  files of `where` the read cannot do without, named if missing.
   """
   try:
     value, error = read(), None
@@ -194,9 +173,18 @@ def _read(where: str, what: str, read: Callable[[], Any]) -> Any:
   if jax.process_count() > 1:
     ok = bool(multihost_utils.process_allgather(np.array(ok)).all())
   if not ok:
-    cause = str(error).splitlines()[0] if error else "failed on another process"
+    missing = [f for f in needs if not os.path.exists(os.path.join(where, f))]
+    cause = (f"its file {missing[0]} is missing" if missing else
+             _cause(error, where) if error else "failed on another process")
     raise DamagedCheckpointError(f"{where}: cannot read {what}: {cause}") from error
   return value
+
+
+class _OrbaxErrors(logging.Filter):
+  """Drops orbax's error records (it logs through absl's logger)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 class _SinceLastSave(_policies.SaveDecisionPolicy):
@@ -228,7 +216,8 @@ class Checkpointer:
     keep: keep the newest `keep` checkpoints; 0: keep all.
     keep_every: also keep every checkpoint whose step is a multiple of this, forever.
     async_save: write in a background thread; `save` returns once the state is
-      copied to host memory, so the next step may donate its buffers.
+      copied to host memory, so the next step may donate its buffers. A failed write
+      raises `SaveError` at the next `maybe_save`, `save`, `wait` or `close`.
     log: where messages (skipped checkpoints) go; the module's logger by default.
   """
 
@@ -254,7 +243,12 @@ class Checkpointer:
     # orbax removes those in a background thread that dies with a traceback if the
     # process exits first (say, on a data error right after this); it takes one listing.
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-    self._closed = False
+    self._closed, self._failed = False, False
+    _let_tasks_end()
+    # orbax logs a failed write from each of its threads, traceback and all; `SaveError`
+    # says it in one line.
+    self._quiet = _OrbaxErrors()
+    logging.getLogger("absl").addFilter(self._quiet)
 
   def all_steps(self) -> list[int]:
     """The steps of the committed checkpoints, oldest first."""
@@ -266,7 +260,12 @@ class Checkpointer:
 
   def maybe_save(self, step: int, state: step_lib.TrainState,
                  meta: Mapping[str, Any] | None = None) -> bool:
-    """Saves if `step` is due (steps, minutes or preemption); returns whether it did."""
+    """Saves if `step` is due (steps, minutes or preemption); returns whether it did.
+
+    Cheap when not due, so call it every step: it also raises `SaveError` as soon as a
+    save in the background has failed.
+    """
+    self._check()
     return self.save(step, state, meta, force=False)
 
   def save(self, step: int, state: step_lib.TrainState,
@@ -278,19 +277,56 @@ class Checkpointer:
       state: the train state, sharded as it is.
       meta: JSON-serializable extras, e.g. `{"config": config.to_dict()}`.
       force: save even if `step` is not due.
+
+    Raises:
+      SaveError: this save or an earlier one in the background failed.
+      ValueError: `step` is not `state.step` (a checkpoint would be misnamed).
     """
     if step in self._manager.all_steps():
       return False  # E.g. a stop signal right after a periodic save of the same step.
     if not force and not self._manager.should_save(step):
       return False
+    if step != int(state.step):  # Waits for the step; saving would, too.
+      raise ValueError(f"checkpoint {step} would hold the state of step {int(state.step)}")
     meta = {**(meta or {}), "step": int(step), "data_position": int(step),
-            "zerojax_version": importlib.metadata.version("zerojax"), "leaves": _describe(state)}
-    return self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+            "zerojax_version": importlib.metadata.version("zerojax"),
+            "leaves": checksums.describe(state)}
+    self.wait()  # orbax would, first thing; an earlier failure is that save's.
+    try:
+      return self._manager.save(step, force=True, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    except Exception as e:  # pylint: disable=broad-except  (the synchronous part)
+      raise self._save_error(step, e) from e
 
   def wait(self) -> None:
-    """Blocks until the saves in flight are committed."""
-    self._manager.wait_until_finished()
+    """Blocks until the saves in flight are committed; `SaveError` if one failed."""
+    thread = self._finalize_thread()
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(thread.step() if thread else None, e) from e
+
+  def _finalize_thread(self) -> Any:
+    """orbax's background thread of the newest save (None: none, or another orbax)."""
+    return getattr(getattr(self._manager, "_finalize_thread", None), "get", lambda: None)()
+
+  def _check(self) -> None:
+    """`SaveError` if the newest save has failed; never waits."""
+    thread = self._finalize_thread()
+    if thread is not None and not thread.is_alive() and thread.exception is not None:
+      self.wait()  # Returns at once: raises the thread's error.
+
+  def _save_error(self, step: int | None, error: BaseException) -> SaveError:
+    self._failed = True
+    good = [s for s in self._committed() if s != step]
+    where = self._path(step) if step is not None else self.directory
+    return SaveError(f"checkpoint {where} could not be written: {_cause(error, where)}; the "
+                     f"last good checkpoint is {self._path(max(good)) if good else 'none'}")
+
+  def _committed(self) -> list[int]:
+    """The committed steps on disk: orbax's list has already dropped the steps a failed
+    save would have removed, and its failed step."""
+    return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
 
   def _path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -298,8 +334,8 @@ class Checkpointer:
   def read_meta(self, step: int) -> dict:
     """Checkpoint `step`'s JSON meta (no array is read)."""
     meta = _read(self._path(step), "its meta", lambda: self._manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    _read(self._path(step), "its meta", lambda: dict(meta["leaves"]))
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta, _META_FILES)
+    _read(self._path(step), "its meta", lambda: dict(meta["leaves"]), _META_FILES)
     return meta
 
   def check_config(self, config: Any) -> None:
@@ -344,8 +380,9 @@ class Checkpointer:
       raise CheckpointError(f"{where} holds another state than the target:\n  " +
                             "\n  ".join(differ[:10]))
     state = _read(where, "the state", lambda: self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state)
-    got = _describe(state)
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state,
+                  _STATE_FILES)
+    got = checksums.describe(state)
     bad = [k for k in saved if got[k][2] != saved[k][2]]
     if bad:
       raise DamagedCheckpointError(
@@ -394,11 +431,24 @@ class Checkpointer:
     self._manager.reload()
 
   def close(self) -> None:
-    """Waits for the saves in flight, then releases the manager's threads (once)."""
-    if not self._closed:
-      self._closed = True
-      self._manager.wait_until_finished()
-      self._manager.close()
+    """Waits for the saves in flight, then releases the manager's threads (once).
+
+    Raises:
+      SaveError: a save failed and no `SaveError` has said so yet.
+    """
+    if self._closed:
+      return
+    self._closed, reported, errors = True, self._failed, []
+    for end in (self.wait, self._manager.close):  # The second even if the first fails.
+      try:
+        end()
+      except Exception as e:  # pylint: disable=broad-except
+        errors.append(e)
+    logging.getLogger("absl").removeFilter(self._quiet)
+    if errors and not reported:
+      if isinstance(errors[0], SaveError):
+        raise errors[0]
+      raise self._save_error(None, errors[0]) from errors[0]
 
   def __enter__(self) -> Checkpointer:
     return self

@@ -7,9 +7,12 @@ and `ZEROJAX_PROCESS_ID` (what `zerojax.distributed` reads); `--devices_per_proc
 also gives each M fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=M`,
 `JAX_PLATFORMS=cpu`). Every output line is prefixed with `[rank]`. A SIGINT (Ctrl-C) or
 SIGTERM reaches every process as SIGTERM (train.py saves and stops, all at the same step);
-a second one kills them. When one exits non-zero the others get SIGTERM, then
+a second one kills them. When one fails (exits non-zero) the others get SIGTERM, then
 SIGKILL after `--grace` seconds, and the launcher exits with that first status (128 + the
-signal for a process killed by one); otherwise with 0 once all have finished.
+signal for a process killed by one). Status 75 (`zerojax.exits.STOPPED`: saved, stopped
+early, e.g. on SIGTERM) is not a failure: the launcher waits for the others (train.py's
+processes all stop at the same step, and may still be saving). Once all have ended
+without a failure it exits with 75 if any stopped early, else 0.
 """
 
 import argparse
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from zerojax import exits
 
 
 def free_port() -> int:
@@ -95,12 +100,13 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
       if p.poll() is None:
         p.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGKILL)
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  ended = (None, exits.DONE, exits.STOPPED)  # Running, or not a failure.
   try:
     failed = None
     while failed is None and any(p.poll() is None for p in procs):
-      failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+      failed = next((r for r, p in enumerate(procs) if p.poll() not in ended), None)
       time.sleep(0.1)
-    failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    failed = next((r for r, p in enumerate(procs) if p.poll() not in ended), failed)
     if failed is not None:
       code = procs[failed].returncode
       what = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
@@ -121,7 +127,7 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
       return status(code)
     for t in threads:
       t.join(timeout=5)
-    return 0
+    return exits.STOPPED if exits.STOPPED in [p.returncode for p in procs] else exits.DONE
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

@@ -1,0 +1,106 @@
+"""Checksums of a train state that do not depend on its sharding.
+
+orbax stores no checksums, and reads many flipped bytes in a data file as other values
+without an error (measured: 43 of 69 trials), so `zerojax.checkpoint` stores one per
+leaf at save time (`describe`) and compares on restore. Each element's bits are
+weighted by an odd multiple of its global position and summed mod 2**32: exact integer
+arithmetic, so every mesh, device count and stage gets the same number.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+_K = 2654435761  # Odd: the weights `index * _K + 1` of any two positions differ.
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  """`x` as unsigned integers of its own width (8-byte dtypes: two uint32 per element,
+  along the last axis); bool stays bool."""
+  if x.dtype == jnp.bool_:
+    return x
+  if x.dtype.itemsize >= 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(*x.shape[:-1], -1)
+  return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _block_checksum(block: jax.Array, shape: tuple[int, ...], offsets: list) -> jax.Array:
+  """sum(bits * (global flat index * _K + 1)) mod 2**32 over `block` (ndim >= 1), the
+  part of an array of `shape` that starts at `offsets`; each element's bits are one
+  uint32 word (two for 8-byte dtypes, the second at index + 1).
+
+  Summed in two stages with a barrier between: groups of <= 32 words along the last
+  axis (XLA:CPU fuses the weighting into such a reduction), then the rest. In one
+  reduction XLA:CPU materializes the whole weighted uint32 product: 2x a bf16 state's
+  bytes on top of the state (measured).
+  """
+  w = 2 if block.dtype.itemsize == 8 else 1
+  cols = block.shape[-1] * w
+  group = max(g for g in range(1, 33) if cols % g == 0)
+  bits = _bits(block).reshape(*block.shape[:-1], cols // group, group).astype(jnp.uint32)
+  u32 = functools.partial(jnp.asarray, dtype=jnp.uint32)
+  iota = functools.partial(jax.lax.broadcasted_iota, jnp.uint32, bits.shape)
+  index, stride = u32(offsets[-1]) * u32(w) + iota(bits.ndim - 2) * u32(group) + iota(
+      bits.ndim - 1), w  # Of the last axis, in words; then the others, mod 2**32.
+  for d in reversed(range(block.ndim - 1)):
+    stride = stride * shape[d + 1] % 2**32
+    index = index + (u32(offsets[d]) + iota(d)) * u32(stride)
+  groups = jnp.sum(bits * (index * u32(_K) + u32(1)), axis=-1, dtype=jnp.uint32)
+  return jnp.sum(jax.lax.optimization_barrier(groups), dtype=jnp.uint32)
+
+
+def _leaf_checksum(x: jax.Array, sharding: Any = None) -> jax.Array:
+  """A uint32 checksum of the bits of `x` that does not depend on its sharding.
+
+  Each element's bits are weighted by an odd multiple of its global position and
+  summed mod 2**32: exact integer arithmetic in any reduction order, so every mesh
+  and stage gets the same number, and a moved block changes it as a flipped bit does.
+  With a `NamedSharding` that divides `x` evenly, each device sums its own block (one
+  device per replica group counts it) and the blocks' sums are added up.
+  """
+  shape = x.shape or (1,)
+  if not isinstance(sharding, jax.sharding.NamedSharding) or not x.shape:
+    return _block_checksum(x.reshape(shape), shape, [0] * len(shape))
+  mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+  if any(n % math.prod(mesh.shape[a] for a in ax) for n, ax in zip(shape, axes)):
+    return _block_checksum(x, shape, [0] * len(shape))  # Uneven: GSPMD, more memory.
+
+  def local(block):
+    offsets = []
+    for n, ax in zip(block.shape, axes):
+      position = jnp.uint32(0)
+      for a in ax:
+        position = (position * jnp.uint32(mesh.shape[a]) +
+                    jax.lax.axis_index(a).astype(jnp.uint32))
+      offsets.append(position * jnp.uint32(n))
+    counts = jnp.bool_(True)  # The first of each group of replicas.
+    for a in set(mesh.axis_names) - {a for ax in axes for a in ax}:
+      counts &= jax.lax.axis_index(a) == 0
+    total = jnp.where(counts, _block_checksum(block, shape, offsets), jnp.uint32(0))
+    return jax.lax.psum(total, tuple(mesh.axis_names))
+
+  return jax.shard_map(local, mesh=mesh, in_specs=P(*spec), out_specs=P(), check_vma=False)(x)
+
+
+@functools.lru_cache(maxsize=8)
+def jitted(treedef: Any, shardings: tuple) -> Callable:
+  """One jitted function: the leaves of a tree of `treedef` -> their checksums."""
+  return jax.jit(lambda leaves: [_leaf_checksum(x, s) for x, s in zip(leaves, shardings)])
+
+
+def describe(state: Any) -> dict[str, list]:
+  """{leaf path: [shape, dtype, checksum]} of a (sharded) state."""
+  leaves, treedef = jax.tree.flatten(state)
+  sums = jax.device_get(jitted(treedef, tuple(getattr(x, "sharding", None)
+                                                  for x in leaves))(leaves))
+  return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype), int(s)]
+          for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state), sums,
+                                  strict=True)}
