@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 import zerojax
-from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
+from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics, peers,
                      precision)
 from zerojax.build import build, compile_step
 from zerojax.config import exit_on_config_error, load_config, parse_argv
@@ -228,7 +228,9 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
 
 def run(argv: list[str]) -> int:
   try:
-    with contextlib.ExitStack() as cleanup:
+    # A lost peer ends the run (one line, exits.PEER_LOST) before the cleanup, which could
+    # wait on it forever.
+    with contextlib.ExitStack() as cleanup, peers.exit_on_lost_peer():
       return main(argv, cleanup)
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.process_id = -1  # This process's id, 0..num_processes-1; -1 = $ZEROJAX_PROCESS_ID, else detected.
   c.distributed.local_device_ids = ""  # Devices this process uses: "0,1,..."; "all"; "" = JAX's choice (SLURM / Open MPI: the local rank's GPU).
   c.distributed.initialization_timeout = 300  # Seconds for every process to join; then each exits with status 4 and a message.
+  c.distributed.wait_report_every = 30  # While the processes join: seconds between lines saying what is awaited.
   c.distributed.heartbeat_timeout = 100  # Seconds without heartbeats before a process counts as dead and JAX aborts the others.
   c.distributed.shutdown_timeout = 300  # Seconds a finishing process waits at exit for the others to finish too.
 

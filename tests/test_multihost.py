@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from zerojax import distributed, launch
+from zerojax import distributed, exits, launch
 from zerojax.config import ConfigError, base_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,7 @@ def test_a_missing_coordinator_or_peer_is_a_clear_error_in_time():
                 "--config.distributed.num_processes=3", "--config.distributed.process_id=0"],
                one_process_env(1))
   for proc in (lost, alone):
-    assert proc.wait(60) == distributed.EXIT_INIT_FAILED, proc.stderr[-3000:]
+    assert proc.wait(60) == exits.INIT_FAILED, proc.stderr[-3000:]
     assert time.monotonic() - proc.start < 10 + 30  # Startup on a loaded machine, then 10 s.
     assert "Traceback" not in proc.stderr
   assert f"process 1 of 2 waited 10 s at the coordinator 127.0.0.1:{port}" in lost.stderr

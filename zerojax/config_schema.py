@@ -84,7 +84,7 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "distributed.num_processes": (lambda v: v >= 0, ">= 0 (0 = $ZEROJAX_NUM_PROCESSES or detected)"),
     "distributed.process_id": (lambda v: v >= -1, "an id >= 0, or -1 for $ZEROJAX_PROCESS_ID or detected"),
     "distributed.initialization_timeout": _POS, "distributed.heartbeat_timeout": _POS,
-    "distributed.shutdown_timeout": _POS,
+    "distributed.shutdown_timeout": _POS, "distributed.wait_report_every": _POS,
 }
 Source = str | Mapping[str, str]
 
