@@ -29,7 +29,7 @@ import numpy as np
 
 import zerojax
 from zerojax import (checkpoint, data, distributed, exits, memory, memory_report, metrics,
-                     precision, workdir)
+                     peers, precision, workdir)
 from zerojax.build import build, compile_step, fake_cpu_devices
 from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
                             parse_argv)
@@ -245,7 +245,9 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
 
 def run(argv: list[str]) -> int:
   try:
-    with contextlib.ExitStack() as cleanup:
+    # A lost peer ends the run (one line, exits.PEER_LOST) before the cleanup, which could
+    # wait on it forever.
+    with contextlib.ExitStack() as cleanup, peers.exit_on_lost_peer():
       return main(argv, cleanup)
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)

@@ -11,33 +11,39 @@ coordinator address, the process count and this process's id comes from the firs
 
 With none of them, or one process, nothing is initialized: a single-process run.
 
-Failures, bounded in time and explained on every process:
+Failures, bounded in time and explained on every process (statuses: `zerojax.exits`):
 
-- a coordinator or peer that does not show up within `distributed.initialization_timeout`
-  seconds: one message naming the address, the process count, this process and whether
-  anything listens at the address; exit status `EXIT_INIT_FAILED` (4);
-- a process that dies later: JAX's coordination service notices its missing heartbeats
-  after `distributed.heartbeat_timeout` seconds (at once if it was process 0, which runs
-  the coordinator) and aborts every other process with "Terminating process because the
-  JAX distributed service detected fatal errors ... tasks are unhealthy (stopped sending
-  heartbeats): <ids>" (SIGABRT, exit status 134), even one blocked in a collective.
+- a coordinator address that cannot work: a host name that does not resolve (every
+  process), or, on process 0, a port it cannot bind or an address that is not this
+  host's: one line at once, `INIT_FAILED`;
+- a coordinator or peer that does not show up: a line every `distributed.wait_report_every`
+  seconds says what is awaited; after `distributed.initialization_timeout` seconds one
+  message names the address, the process count, this process and whether anything listens
+  at the address; `INIT_FAILED`;
+- a process that dies later (killed, crashed): every other process prints "error: process
+  N is gone (...)" and exits with `PEER_LOST` within moments (`zerojax.peers`), even
+  one blocked in a collective. JAX's coordination service is the backstop for a host that
+  vanishes without closing its connections: it aborts the others after
+  `distributed.heartbeat_timeout` seconds (SIGABRT, status 134, its own message).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
+from zerojax import exits, peers
 from zerojax.config import ConfigError
 
-EXIT_INIT_FAILED = 4  # The coordinator or a peer did not show up in time.
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # JAX reads this one itself, too.
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZEROJAX_PROCESS_ID"
@@ -199,7 +205,7 @@ def resolve(section: Any, environ: Mapping[str, str] | None = None) -> Setup | N
 
 
 def _probe(address: str) -> str:
-  """What is at the coordinator address, for the timeout message."""
+  """What is at the coordinator address, for the messages while waiting and at the timeout."""
   host, port = _split_address(address)
   try:
     with socket.create_connection((host, port), timeout=2):
@@ -208,6 +214,75 @@ def _probe(address: str) -> str:
     return f"the host name {host!r} does not resolve ({e})"
   except OSError as e:
     return f"nothing accepts connections at {address} ({e.strerror or e})"
+
+
+def _is_local(ip: str, family: int) -> bool:
+  with socket.socket(family, socket.SOCK_STREAM) as s:
+    try:
+      s.bind((ip, 0))  # Only an address of this host can be bound.
+      return True
+    except OSError:
+      return False
+
+
+def _this_host() -> str:
+  name = socket.gethostname()
+  try:
+    ips = sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+  except OSError:
+    return name
+  return f"{name}: {', '.join(ips)}"
+
+
+def address_problem(setup: Setup) -> str | None:
+  """Why the coordinator address cannot work, found before joining; None if no reason is seen.
+
+  On every process the host name must resolve. On process 0, which runs the coordinator,
+  the port must be free, and the address must lead to this host: one of its own, or one
+  forwarded to it (a container's published port, a Kubernetes service), which is tried.
+  """
+  host, port = _split_address(setup.coordinator_address)
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except socket.gaierror as e:
+    return f"the coordinator host {host!r} does not resolve ({e.strerror})"
+  if setup.process_id != 0:
+    return None  # Refused or unreachable may mean "process 0 is not up yet": wait.
+  head = f"process 0 could not start the coordinator at {setup.coordinator_address}"
+  dual = socket.has_dualstack_ipv6()
+  # JAX's coordinator binds the port on every interface ([::]:port); so does this, briefly.
+  with socket.socket(socket.AF_INET6 if dual else socket.AF_INET) as server:
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # As gRPC: TIME_WAIT is fine.
+    try:
+      server.bind(("", port))
+    except OSError as e:
+      why = "another process listens there" if e.errno == errno.EADDRINUSE else e.strerror
+      return f"{head}: port {port} cannot be bound ({why})"
+    if any(_is_local(info[4][0], info[0]) for info in infos):
+      return None
+    server.listen()
+    try:
+      socket.create_connection((host, port), timeout=3).close()
+      return None  # Forwarded here.
+    except OSError as e:
+      ips = ", ".join(sorted({info[4][0] for info in infos}))
+      return (f"{head}: {host} ({ips}) is not an address of this host ({_this_host()}), "
+              f"and connecting to it does not reach this host ({e.strerror or e})")
+
+
+def waiting_message(setup: Setup, waited: float, timeout: float) -> str:
+  """The line every process prints every `wait_report_every` seconds while they join."""
+  n, pid, addr = setup.num_processes, setup.process_id, setup.coordinator_address
+  head = f"distributed: process {pid} of {n} has waited {waited:.0f} s"
+  tail = f"giving up after {timeout:g} s (distributed.initialization_timeout)"
+  if pid == 0:
+    return (f"{head} for the other processes to connect to its coordinator at {addr} (JAX "
+            f"does not say which until all have); {tail}")
+  probe = _probe(addr)
+  if probe:
+    return f"{head} for the coordinator (process 0) at {addr}: {probe}; retrying, {tail}"
+  return (f"{head}: the coordinator at {addr} is up, some of processes 0..{n - 1} have not "
+          f"joined; {tail}")
 
 
 def timeout_message(setup: Setup, timeout: float) -> str:
@@ -233,16 +308,18 @@ def timeout_message(setup: Setup, timeout: float) -> str:
   return f"{head}\n  {detail}\n  fix: {fix}"
 
 
-def initialize(section: Any, *, exit_code: int = EXIT_INIT_FAILED) -> Setup | None:
+def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | None:
   """Joins the multi-process run that the config, environment or cluster describes.
 
   Call it before anything touches a device (`jax.devices()` included). On CPU the
-  cross-process collectives are gloo's (JAX's default on CPU; set if unset).
+  cross-process collectives are gloo's (JAX's default on CPU; set if unset). Once joined,
+  the peer watch runs (`zerojax.peers`); wrap the program in `peers.exit_on_lost_peer`.
 
   Args:
     section: the config's `distributed` section.
-    exit_code: the exit status when the processes do not all join within
-      `section.initialization_timeout` seconds; the message goes to stderr first.
+    exit_code: the exit status when the coordinator address cannot work, or the processes
+      do not all join within `section.initialization_timeout` seconds; the message goes
+      to stderr first.
 
   Returns:
     The `Setup` joined, or None for a single-process run (nothing initialized).
@@ -258,18 +335,24 @@ def initialize(section: Any, *, exit_code: int = EXIT_INIT_FAILED) -> Setup | No
     raise ConfigError("JAX was used before distributed.initialize, so this process cannot join "
                       f"the {setup.num_processes}-process run.", key="distributed",
                       source="the program", fix="call zerojax.distributed.initialize first")
+  if problem := address_problem(setup):
+    src = setup.sources["coordinator_address"]
+    peers.leave(f"error: distributed: {problem}.\n  fix: the coordinator address ({src}) must be "
+           "process 0's host and a free port there.", exit_code)
   if jax.config.jax_cpu_collectives_implementation is None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  timeout = section.initialization_timeout
+  timeout, every = section.initialization_timeout, section.wait_report_every
+  joined = threading.Event()
 
-  def give_up():  # The main thread is stuck inside JAX's connect: leave from here.
-    print(timeout_message(setup, timeout), file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(exit_code)  # pylint: disable=protected-access
+  def report_while_waiting():  # The main thread is stuck inside JAX's connect.
+    start = time.monotonic()
+    while not joined.wait(max(0.0, min(every, start + timeout - time.monotonic()))):
+      waited = time.monotonic() - start
+      if waited >= timeout:
+        peers.leave(timeout_message(setup, timeout), exit_code)
+      print(waiting_message(setup, waited, timeout), file=sys.stderr, flush=True)
 
-  watchdog = threading.Timer(timeout, give_up)
-  watchdog.daemon = True
-  watchdog.start()
+  threading.Thread(target=report_while_waiting, daemon=True).start()
   try:
     jax.distributed.initialize(
         setup.coordinator_address, setup.num_processes, setup.process_id,
@@ -278,5 +361,6 @@ def initialize(section: Any, *, exit_code: int = EXIT_INIT_FAILED) -> Setup | No
         heartbeat_timeout_seconds=section.heartbeat_timeout,
         shutdown_timeout_seconds=section.shutdown_timeout)
   finally:
-    watchdog.cancel()
+    joined.set()
+  peers.start(setup.process_id, _split_address(setup.coordinator_address)[0])
   return setup

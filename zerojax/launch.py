@@ -7,17 +7,21 @@ and `ZEROJAX_PROCESS_ID` (what `zerojax.distributed` reads); `--devices_per_proc
 also gives each M fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=M`,
 `JAX_PLATFORMS=cpu`). Every output line is prefixed with `[rank]`. A SIGINT (Ctrl-C) or
 SIGTERM reaches every process as SIGTERM (train.py saves and stops, all at the same step);
-a second one kills them. When one fails (exits non-zero) the others get SIGTERM, then
-SIGKILL after `--grace` seconds, and the launcher exits with that first status (128 + the
-signal for a process killed by one). Status 75 (`zerojax.exits.STOPPED`: saved, stopped
-early, e.g. on SIGTERM) is not a failure: the launcher waits for the others (train.py's
-processes all stop at the same step, and may still be saving). Once all have ended
-without a failure it exits with 75 if any stopped early, else 0.
+a second one kills them. When one exits non-zero the others get SIGTERM, then SIGKILL
+after `--grace` seconds; the launcher names the first process to fail (one that exited
+with `exits.PEER_LOST` saw another die first, so that other one counts), lists every
+process's status and exits with the first failure's (128 + the signal for a process
+killed by one). Status 75 (`exits.STOPPED`: saved, stopped early, e.g. on SIGTERM) is
+not a failure: the launcher waits for the others (train.py's processes all stop at the
+same step, and may still be saving). Once all have ended without a failure it exits
+with 75 if any stopped early, else 0.
 """
 
 import argparse
+import contextlib
 import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -65,6 +69,14 @@ def _pipe(stream, out, prefix: str, lock: threading.Lock) -> None:
   stream.close()
 
 
+def describe(code: int) -> str:
+  """A returncode in words: "status 5 (PEER_LOST)", "signal SIGKILL"."""
+  if code < 0:
+    return f"signal {signal.Signals(-code).name}"
+  names = {v: k for k, v in vars(exits).items() if k.isupper() and isinstance(v, int)}
+  return f"status {code}" + (f" ({names[code]})" if code in names else "")
+
+
 def status(code: int) -> int:
   """A shell-style exit status: 128 + N for a process killed by signal N."""
   return 128 - code if code < 0 else code
@@ -100,17 +112,33 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
       if p.poll() is None:
         p.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGKILL)
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-  ended = (None, exits.DONE, exits.STOPPED)  # Running, or not a failure.
+  # Exits in the order they happen (a thread per process), so the first failure is the
+  # cause and the others' (PEER_LOST, or our SIGTERM) its consequences.
+  exited = queue.Queue()
+  for rank, p in enumerate(procs):
+    threading.Thread(target=lambda r=rank, q=p: (q.wait(), exited.put(r)), daemon=True).start()
+  fine = (exits.DONE, exits.STOPPED)  # Finished, or saved and stopped early: not failures.
+  failed = lambda r: procs[r].returncode not in fine
   try:
-    failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-      failed = next((r for r, p in enumerate(procs) if p.poll() not in ended), None)
-      time.sleep(0.1)
-    failed = next((r for r, p in enumerate(procs) if p.poll() not in ended), failed)
-    if failed is not None:
-      code = procs[failed].returncode
-      what = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
-      log(f"process {failed} exited with {what}; stopping the others")
+    order = []
+    while len(order) < nproc and not any(failed(r) for r in order):
+      order.append(exited.get())
+    # A PEER_LOST is a consequence: give the process it saw die a moment to be reaped.
+    with contextlib.suppress(queue.Empty):
+      while len(order) < nproc and all(procs[r].returncode in (*fine, exits.PEER_LOST)
+                                       for r in order):
+        order.append(exited.get(timeout=1))
+    failures = [r for r in order if failed(r)]
+    if failures and signals:  # Stopped by the user: every process is on its way out.
+      for p in procs:
+        p.wait()
+      order += [r for r in range(nproc) if r not in order]
+      failures = []
+    if failures:
+      # A process that exited PEER_LOST saw another die: that one is the cause.
+      first = next((r for r in failures if procs[r].returncode != exits.PEER_LOST), failures[0])
+      log(f"process {first} exited with {describe(procs[first].returncode)} (the first to "
+          "fail); stopping the others")
       for p in procs:
         if p.poll() is None:
           p.terminate()
@@ -124,7 +152,9 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
           p.wait()
       for t in threads:
         t.join(timeout=5)
-      return status(code)
+      log("exit statuses: " + ", ".join(f"process {r}: {describe(p.returncode)}"
+                                        for r, p in enumerate(procs)))
+      return status(procs[first].returncode)
     for t in threads:
       t.join(timeout=5)
     return exits.STOPPED if exits.STOPPED in [p.returncode for p in procs] else exits.DONE

@@ -73,6 +73,8 @@ _ROWS = (
           "JAX's choice (SLURM / Open MPI: the local rank's GPU)."),
     Field("distributed.initialization_timeout", 300, "Seconds for every process to join; then each "
           "exits with status 4 and a message.", range=POSITIVE),
+    Field("distributed.wait_report_every", 30, "While the processes join: seconds between lines "
+          "saying what is awaited.", range=POSITIVE),
     Field("distributed.heartbeat_timeout", 100, "Seconds without heartbeats before a process counts as "
           "dead and JAX aborts the others.", range=POSITIVE),
     Field("distributed.shutdown_timeout", 300, "Seconds a finishing process waits at exit for the "
