@@ -165,11 +165,7 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if "--" not in argv:
-    print("usage: python -m zerojax.launch --nproc N [--devices_per_process M] -- COMMAND ...",
-          file=sys.stderr)
-    return 2
-  split = argv.index("--")
+  split = argv.index("--") if "--" in argv else len(argv)
   parser = argparse.ArgumentParser(prog="python -m zerojax.launch", description=__doc__.split("\n")[0])
   parser.add_argument("--nproc", type=int, required=True, help="processes to start")
   parser.add_argument("--devices_per_process", type=int, default=0,
@@ -177,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--grace", type=float, default=10.0,
                       help="seconds between SIGTERM and SIGKILL when one process failed")
-  args = parser.parse_args(argv[:split])
+  parser.usage = "python -m zerojax.launch --nproc N [--devices_per_process M] -- COMMAND ..."
+  args = parser.parse_args(argv[:split])  # --help prints the usage and exits 0.
   command = argv[split + 1:]
   if args.nproc < 1 or not command:
     parser.error("need --nproc >= 1 and a command after --")
