@@ -19,18 +19,21 @@ all join within distributed.initialization_timeout. Stopped early by SIGTERM, Ct
 zerojax/exits.py.
 """
 
+import argparse
 import contextlib
 import os
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 
 import zerojax
 from zerojax import (checkpoint, data, distributed, exits, memory, memory_report, metrics,
                      peers, precision, workdir)
-from zerojax.build import build, compile_step, fake_cpu_devices
+from zerojax.build import Built, build, compile_step, fake_cpu_devices
 from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
                             parse_argv)
 from zerojax.mesh import processes_per_group
@@ -39,8 +42,21 @@ from zerojax.models import hf
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
 
-@exit_on_config_error
-def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
+class Run(NamedTuple):
+  """What `setup` made of the command line and config, for the rest of the run."""
+  config: ml_collections.ConfigDict
+  path: str  # The config file.
+  args: argparse.Namespace  # train.py's own flags.
+  report: metrics.Reporter
+  ckpt: checkpoint.Checkpointer | None  # None without a workdir.
+  train_tokens: np.ndarray
+  eval_tokens: np.ndarray
+  built: Built  # Mesh, model, optimizer, plan, batch sharding.
+  train_step: Any  # The compiled step.
+
+
+def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
+  """(config path, overrides, train.py's flags); starts the fake CPU devices if asked."""
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
   parser = ArgumentParser(prog="train.py", description=__doc__.split("\n")[0],
                           default_config=os.path.relpath(DEFAULT_CONFIG))
@@ -61,13 +77,23 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
     fake_cpu_devices(args.fake_devices)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]
+  return path, overrides, args
+
+
+def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
+  """Config, processes, workdir lock, checkpoints, data, the compiled step and its memory.
+
+  Every mistake of the user's surfaces here, before anything is allocated: the config
+  and command line (ConfigError), the HF folder, the checkpoint's config, the data.
+  """
+  path, overrides, args = parse_args(argv)
   # Every config mistake surfaces here, before anything touches a device; then this
   # process joins the others of a multi-host run (zerojax.distributed: config keys, env,
   # SLURM / Open MPI; none = one process; exit 4 if they do not all join in time), and
   # only then are the mesh and batch checked against the devices of all processes.
   distributed.initialize(load_config(path, overrides).distributed)
   config = load_config(path, overrides, num_devices=jax.device_count())
-  c, t = config, config.train
+  c = config
   report = metrics.Reporter(c.workdir)
   if c.workdir:  # One run per workdir: another one refuses (exit 2) before touching it.
     cleanup.enter_context(workdir.lock(c.workdir, log=report))
@@ -75,7 +101,7 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
     hf.check_config(c.init_from, c.model)
   # Checkpoints in <workdir>/checkpoints; a config that contradicts the newest one is an
   # error now, before anything is compiled (CheckpointError: exit 2).
-  ckpt, run_meta = None, {"config": config.to_dict()}
+  ckpt = None
   if c.workdir:
     k = c.checkpoint
     # Closed on every way out (an error too): saves in flight finish, orbax's threads stop.
@@ -86,24 +112,21 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
     ckpt.check_config(config)
 
   # Every data mistake surfaces here too, before the model is built or compiled.
-  train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, t.seq_len,
+  train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
                                                cache_dir=c.workdir)
   # Printed once the config and data are known good, so an error is the first thing shown.
   report(f"config {path} {' '.join(overrides)}\n{config}")
-  warning = hf.seq_len_warning(c.init_from, t.seq_len) if c.init_from else None
+  warning = hf.seq_len_warning(c.init_from, c.train.seq_len) if c.init_from else None
   if warning:
     report(warning)
   # The mesh, model, optimizer, ZeRO plan and jitted step (the memory planner compiles
-  # the same ones: zerojax.build).
+  # the same ones: zerojax.build), compiled from abstract inputs: the memory is known
+  # before anything is allocated, and the loop runs this same executable.
   built = build(config)
-  mesh, model, tx, schedule, loss_scaling, plan, train_step, batch_sharding = built[:8]
-  key = jax.random.key(c.seed)
-
-  # Compiled from abstract inputs: the memory is known before anything is allocated.
   start = time.perf_counter()
-  # The loop runs this same executable: one compile.
   train_step, mem = compile_step(built)
   del mem["seconds"]
+  mesh, plan = built.mesh, built.plan
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
   shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
   total = mem["arguments"] + mem["temporaries"]
@@ -118,8 +141,8 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
          f"per-device memory (compiled): arguments {metrics.fmt_bytes(mem['arguments'])} + "
          f"temporaries {metrics.fmt_bytes(mem['temporaries'])} = {metrics.fmt_bytes(total)}  "
          f"(compile {time.perf_counter() - start:.1f}s)",
-         devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape), stage=c.zero.stage,
-         params=n_params, memory=mem)
+         devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape),
+         stage=c.zero.stage, params=n_params, memory=mem)
   # CPU devices share the host's memory: a step that does not fit would swap, ignore
   # Ctrl-C while it allocates, then meet the OOM killer. A dry run allocates nothing.
   host = (memory_report.host_memory_available()
@@ -134,8 +157,6 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   report("\n".join(filter(None, [memory_report.format_table(estimate, mem, title=path),
                                  memory_report.format_suggestions(estimate, found)])),
          memory_estimate=estimate.total)
-  if args.dry_run:
-    return exits.DONE
   if host and total * jax.local_device_count() > host:
     raise ConfigError(
         f"the step needs {metrics.fmt_bytes(total * jax.local_device_count())} of host memory "
@@ -143,42 +164,54 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
         f"devices), {metrics.fmt_bytes(host)} available.", source=path,
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
+  return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)
 
-  # Resume from the newest intact checkpoint in the workdir, if any (a damaged one is
-  # reported and skipped); a config that contradicts it is a CheckpointError (exit 2).
-  restored = ckpt.restore_latest(plan, config=config) if ckpt else None
+
+def restore_or_init(run: Run) -> zerojax.TrainState:
+  """The newest intact checkpoint of the workdir, else the HF weights, else a fresh init.
+
+  A damaged checkpoint is reported and skipped; a config that contradicts the one it was
+  saved with is a CheckpointError (exit 2).
+  """
+  c, report, ckpt, built = run.config, run.report, run.ckpt, run.built
+  restored = ckpt.restore_latest(built.plan, config=c) if ckpt else None
   if restored:
     state, meta = restored
     report(f"resumed from {ckpt.directory}/{meta['step']}", step=meta["step"], resumed=True)
     if c.init_from:
       report(f"init_from {c.init_from} ignored: the checkpoint takes precedence")
-  else:
-    params = None
-    if c.init_from:  # Each device reads only its own shards of the HF weights.
-      params = hf.load_params(c.init_from, plan)
-      report(f"initialized from {c.init_from}", init_from=c.init_from)
-    state = zerojax.init_state(plan, model.init, tx, key, loss_scaling, params=params)
+    return state
+  params = None
+  if c.init_from:  # Each device reads only its own shards of the HF weights.
+    params = hf.load_params(c.init_from, built.plan)
+    report(f"initialized from {c.init_from}", init_from=c.init_from)
+  return zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(c.seed),
+                            built.loss_scaling, params=params)
+
+
+def train_loop(run: Run, state: zerojax.TrainState) -> int:
+  """Steps from `state.step` to `train.steps`: logs, evaluations, checkpoints, stops.
+
+  Returns:
+    `exits.DONE` after the last step, `exits.STOPPED` when a signal or --stop_after
+    stopped it early (saved first, when there is a workdir).
+  """
+  c, t, report, ckpt, args = run.config, run.config.train, run.report, run.ckpt, run.args
+  model, loss_scaling = run.built.model, run.built.loss_scaling
+  run_meta = {"config": c.to_dict()}
   start = int(state.step)  # The data position: batches are a pure function of the step.
-  if start >= t.steps:  # Nothing to train, and so nothing to save.
-    report(f"done: already at step {start} of {t.steps}" if start == t.steps else
-           f"done: checkpoint {ckpt.directory}/{start} is past train.steps={t.steps}: "
-           f"nothing to train or save (a larger --config.train.steps trains on)", step=start)
-    return exits.DONE
-  if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
-    with open(os.path.join(c.workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   stop = checkpoint.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
-  eval_step = zerojax.make_eval_step(plan, model.loss)
+  eval_step = zerojax.make_eval_step(run.built.plan, model.loss)
   rows = data.process_rows(t.global_batch_size)
 
   def batch(source, step, seed):
     # Each process reads only its own rows of the global batch.
     local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
                                      rows=rows)}
-    return data.global_batch(local, batch_sharding)
+    return data.global_batch(local, run.built.batch_sharding)
 
   # A fixed held-out set: the same batches at every evaluation, drawn with another seed.
-  eval_set = [batch(eval_tokens, i, c.seed + 1) for i in range(t.eval_batches)]
+  eval_set = [batch(run.eval_tokens, i, c.seed + 1) for i in range(t.eval_batches)]
 
   def evaluate() -> float:
     # float() waits for each batch: one program with collectives in flight at a time.
@@ -199,7 +232,7 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   report.start_bar(t.steps)
   for step in range(start + 1, t.steps + 1):
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
-    state, m = train_step(state, batch(train_tokens, step - 1, c.seed))
+    state, m = run.train_step(state, batch(run.train_tokens, step - 1, c.seed))
     speed.step(step)
     # Skips are checked one step late, so reading them never stalls the device queue.
     if previous:
@@ -241,6 +274,25 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
          f"{eval_loss:.4f}", step=t.steps, final_train_loss=m["loss"],
          final_eval_loss=eval_loss)
   return exits.DONE
+
+
+@exit_on_config_error
+def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
+  run = setup(argv, cleanup)
+  if run.args.dry_run:
+    return exits.DONE
+  state = restore_or_init(run)
+  c, start = run.config, int(state.step)
+  if start >= c.train.steps:  # Nothing to train, and so nothing to save.
+    run.report(f"done: already at step {start} of {c.train.steps}" if start == c.train.steps
+               else f"done: checkpoint {run.ckpt.directory}/{start} is past train.steps="
+               f"{c.train.steps}: nothing to train or save (a larger --config.train.steps "
+               "trains on)", step=start)
+    return exits.DONE
+  if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
+    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
+  return train_loop(run, state)
 
 
 def run(argv: list[str]) -> int:
