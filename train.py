@@ -27,9 +27,10 @@ import numpy as np
 import zerojax
 from zerojax import (checkpoint, data, distributed, memory, memory_report, metrics,
                      precision)
-from zerojax.build import build, compile_step, fake_cpu_devices
+from zerojax.build import build, compile_step
 from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
                             parse_argv)
+from zerojax.devices import fake_cpu_devices
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
 

@@ -35,13 +35,12 @@ ARGS.add_argument("--steps", type=int, default=4, help="steps per variant per ro
 ARGS.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
 args = ARGS.parse_args()
 args.rounds = args.rounds or (4 if args.quick else 8)
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count")]
-os.environ["XLA_FLAGS"] = " ".join(
-    _flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=wrong-import-position
+from zerojax.devices import fake_cpu_devices
+
+fake_cpu_devices(args.devices, memory_flags=False)  # Before JAX starts a backend.
+
 import jax
 import jax.numpy as jnp
 import optax

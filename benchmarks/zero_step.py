@@ -32,15 +32,13 @@ ARGS.add_argument("--devices", type=int, default=8, help=argparse.SUPPRESS)
 ARGS.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
 args = ARGS.parse_args()
 
-# Fake devices must be requested before jax is imported. A device count inherited from
-# the parent (by the 64-device child) is replaced; any other flag is kept.
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count")]
-os.environ["XLA_FLAGS"] = " ".join(
-    _flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 # pylint: disable=wrong-import-position
+from zerojax.devices import fake_cpu_devices
+
+# Before JAX starts a backend. A device count inherited from the parent (by the
+# 64-device child) is replaced; any other flag is kept.
+fake_cpu_devices(args.devices, memory_flags=False)
+
 import jax
 import jax.numpy as jnp
 import optax

@@ -44,9 +44,9 @@ def _gb(n: float) -> str:  # Decimal units, as the hand arithmetic counts.
 
 
 def _cpu_without_memory_flags() -> bool:
-  """Compiled by XLA:CPU without `build.CPU_MEMORY_FLAGS` (its default scheduler keeps
+  """Compiled by XLA:CPU without `devices.CPU_MEMORY_FLAGS` (its default scheduler keeps
   more alive than the planner, calibrated with them, expects)."""
-  from zerojax.build import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
+  from zerojax.devices import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
   jax = sys.modules.get("jax")
   return (jax is not None and jax.default_backend() == "cpu"
           and not all(f in os.environ.get("XLA_FLAGS", "") for f in CPU_MEMORY_FLAGS))
@@ -197,17 +197,17 @@ def _main(argv: list[str]) -> int:
   except ValueError as err:
     p.error(str(err))
   if args.compile:  # XLA reads its flags when JAX starts its backend: before any device work.
-    from zerojax.build import fake_cpu_devices  # pylint: disable=import-outside-toplevel
+    from zerojax.devices import fake_cpu_devices  # pylint: disable=import-outside-toplevel
     fake_cpu_devices(args.devices)
   config = load_config(path, overrides, num_devices=args.devices)
   e = estimate(config, args.devices, device_memory)
   compiled = attributed = None
   if args.compile:
-    from zerojax import build  # pylint: disable=import-outside-toplevel
+    from zerojax import build, xla_dump  # pylint: disable=import-outside-toplevel
     dump = tempfile.mkdtemp(prefix="zerojax_memory_")
     try:  # The buffer assignment says what the temporaries at the peak are.
       compiled = build.compiled_memory(build.build(config), dump_to=dump)
-      attributed = attribute(e.setup, build.live_at_peak(dump))
+      attributed = attribute(e.setup, xla_dump.live_at_peak(dump))
     finally:
       shutil.rmtree(dump, ignore_errors=True)
   found = suggestions(e.setup, device_memory=device_memory)
