@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zerojax
 from zerojax import data, models, optim, precision
 from zerojax.config import load_config
+from zerojax.testing import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "train_throughput.json")
@@ -169,12 +170,11 @@ def rows(times, base):
 
 
 def table(results):
-  head = ["| devices | step | ms / step | tokens/s | tokens/s ratio to plain (median) | range "
-          "| fastest-round ratio |", "| --- | --- | --- | --- | --- | --- | --- |"]
-  return "\n".join(head + [
-      f"| {r['devices']} | {r['step']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-      f"{r['ratio']:.3f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['best_ratio']:.3f} |"
-      for r in results])
+  return markdown_table(
+      ["devices", "step", "ms / step", "tokens/s", "tokens/s ratio to plain (median)", "range",
+       "fastest-round ratio"],
+      [[r["devices"], r["step"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
+        f"{r['lo']:.2f}-{r['hi']:.2f}", f"{r['best_ratio']:.3f}"] for r in results])
 
 
 if __name__ == "__main__":

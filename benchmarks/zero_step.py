@@ -45,7 +45,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import hlo, optim
+from zerojax import optim
+from zerojax.testing import hlo, markdown_table
 from zerojax.models.mlp_lm import MlpLM
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -263,9 +264,7 @@ def time_all(steps, rounds, per_round):
 
 
 def table(title, headers, rows):
-  print(f"\n#### {title}\n\n| " + " | ".join(headers) + " |\n|" + " --- |" * len(headers))
-  for r in rows:
-    print("| " + " | ".join(str(c) for c in r) + " |")
+  print(f"\n#### {title}\n\n" + markdown_table(headers, rows))
 
 
 def mb(b):
