@@ -11,6 +11,9 @@ import time
 
 import jax
 
+# Part of what a run reports (train.py's memory lines call metrics.fmt_bytes).
+from zerojax.units import fmt_bytes  # pylint: disable=unused-import
+
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets). A device
 # not listed reports no MFU unless `train.peak_flops` is set.
 PEAK_FLOPS = {
@@ -25,14 +28,6 @@ def peak_flops(device: jax.Device, override: float = 0.0) -> float:
     return override
   kind = getattr(device, "device_kind", "")
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
-
-
-def fmt_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n:.2f} TiB"
 
 
 class Reporter:
