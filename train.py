@@ -32,10 +32,11 @@ import numpy as np
 
 import zerojax
 from zerojax import (checkpoint, data, distributed, exits, memory, memory_report, metrics,
-                     peers, precision, workdir)
-from zerojax.build import Built, build, compile_step, fake_cpu_devices
+                     peers, precision, units, workdir)
+from zerojax.build import Built, build, compile_step
 from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
                             parse_argv)
+from zerojax.devices import fake_cpu_devices
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
 
@@ -73,7 +74,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
     parser.error(f"argument --fake_devices: {args.fake_devices} is not a number of devices")
   if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
     # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
-    # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.build).
+    # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.devices).
     fake_cpu_devices(args.fake_devices)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]
@@ -138,8 +139,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
          f"tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M\n"
-         f"per-device memory (compiled): arguments {metrics.fmt_bytes(mem['arguments'])} + "
-         f"temporaries {metrics.fmt_bytes(mem['temporaries'])} = {metrics.fmt_bytes(total)}  "
+         f"per-device memory (compiled): arguments {units.fmt_bytes(mem['arguments'])} + "
+         f"temporaries {units.fmt_bytes(mem['temporaries'])} = {units.fmt_bytes(total)}  "
          f"(compile {time.perf_counter() - start:.1f}s)",
          devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape),
          stage=c.zero.stage, params=n_params, memory=mem)
@@ -159,9 +160,9 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          memory_estimate=estimate.total)
   if host and total * jax.local_device_count() > host:
     raise ConfigError(
-        f"the step needs {metrics.fmt_bytes(total * jax.local_device_count())} of host memory "
-        f"({metrics.fmt_bytes(total)} compiled per device x {jax.local_device_count()} CPU "
-        f"devices), {metrics.fmt_bytes(host)} available.", source=path,
+        f"the step needs {units.fmt_bytes(total * jax.local_device_count())} of host memory "
+        f"({units.fmt_bytes(total)} compiled per device x {jax.local_device_count()} CPU "
+        f"devices), {units.fmt_bytes(host)} available.", source=path,
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
   return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)

@@ -180,10 +180,8 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
-      [f for f in os.environ.get("XLA_FLAGS", "").split()
-       if not f.startswith("--xla_force_host_platform_device_count")] +
-      [f"--xla_force_host_platform_device_count={spec['devices']}"]))
+  from zerojax.devices import fake_devices_env  # pylint: disable=import-outside-toplevel
+  env = fake_devices_env(spec["devices"])
   result = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
   if result.returncode:

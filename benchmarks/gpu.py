@@ -41,6 +41,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # This checkout's zerojax, as the children get it (PYTHONPATH).
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CONFIGS = {"1b": "configs/1b_bf16.py", "8b": "configs/8b_bf16.py"}
 REMATS = ("full", "dots", "none")
@@ -293,15 +294,12 @@ def _is_oom(text: str) -> bool:
 
 
 def child_env(cpu: bool) -> dict:
+  from zerojax.devices import fake_devices_env  # pylint: disable=import-outside-toplevel
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
-  if cpu:  # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
-    # (zerojax.build.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=1"])
-    env["JAX_PLATFORMS"] = "cpu"
-  return env
+  # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
+  # (zerojax.devices.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
+  return fake_devices_env(1, base=env) if cpu else env
 
 
 def spawn(spec: dict, timeout: float, cpu: bool) -> dict:

@@ -12,24 +12,22 @@ dumps the compiled HLO and lists the N largest temporaries alive at the peak, wi
 the JAX op that made each, to see where the memory goes. `--layers 8` is a quick
 proxy (seconds to compile): what grows with the params scales with the layers.
 
-`--xla-cpu-memory-flags` adds zerojax.build's XLA:CPU flags: the memory-optimizing
+`--xla-cpu-memory-flags` adds zerojax.devices' XLA:CPU flags: the memory-optimizing
 scheduler and no while-loop-invariant code motion (XLA:CPU upcasts bf16 and then
 hoists whole-stack f32 copies out of the layer loop).
 """
 
 import argparse
-import glob
 import os
 import re
 import sys
 import tempfile
 import time
 
-os.environ["JAX_PLATFORMS"] = "cpu"  # Read when jax is imported (by zerojax, next).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from zerojax import build  # pylint: disable=wrong-import-position
-
-CPU_MEMORY_FLAGS = build.CPU_MEMORY_FLAGS
+# pylint: disable=wrong-import-position
+from zerojax import xla_dump
+from zerojax.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
 
 
 def parse_args():
@@ -44,14 +42,15 @@ def parse_args():
 
 
 def peak_buffers(dump_dir: str, n: int) -> list[str]:
-  """The n largest temporaries live at the peak (`zerojax.build.live_at_peak`), with the
-  JAX op that made each."""
-  at_peak = build.live_at_peak(dump_dir)
+  """The n largest temporaries live at the peak (`zerojax.xla_dump.live_at_peak`), with
+  the JAX op that made each."""
+  at_peak = xla_dump.live_at_peak(dump_dir)
   if not at_peak:
     return ["(no buffer assignment in the dump)"]
-  values = glob.glob(os.path.join(dump_dir, "*jit_step*after_optimizations-buffer-assignment-values.txt"))
-  ops = dict(re.findall(r"from instruction: %(\S+) = .*?op_name=\"([^\"]*)\"",
-                        open(values[0]).read())) if values else {}
+  values, ops = xla_dump.step_files(dump_dir) + "-buffer-assignment-values.txt", {}
+  if os.path.exists(values):
+    with open(values) as f:
+      ops = dict(re.findall(r"from instruction: %(\S+) = .*?op_name=\"([^\"]*)\"", f.read()))
   rows = [f"{sum(size for size, *_ in at_peak) / 1e9:8.2f} GB of temporaries live at the peak; the largest:"]
   rows += [f"{size / 1e9:8.2f} GB  {shape:24s} {name:28s} {ops.get(name.split('{')[0], '')[-70:]}"
            for size, shape, name in at_peak[:n]]
@@ -61,14 +60,10 @@ def peak_buffers(dump_dir: str, n: int) -> list[str]:
 def main():
   args = parse_args()
   dump = args.dump or (tempfile.mkdtemp(prefix="memory_70b_") if args.top else None)
-  flags = [f"--xla_force_host_platform_device_count={args.devices}"]
-  if args.xla_cpu_memory_flags:
-    flags.extend(CPU_MEMORY_FLAGS)
-  if dump:
-    flags.append(f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
-                 "--xla_dump_hlo_module_re=.*step.*")
+  dump_flags = [f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
+                "--xla_dump_hlo_module_re=.*step.*"] if dump else []
   # Read when JAX starts its backend (the first compile below), not at import.
-  os.environ["XLA_FLAGS"] = " ".join(flags + [os.environ.get("XLA_FLAGS", "")]).strip()
+  fake_cpu_devices(args.devices, *dump_flags, memory_flags=args.xla_cpu_memory_flags)
 
   import jax
   import jax.numpy as jnp

@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt  # pylint: disable=ungrouped-imports
 import zerojax
 from zerojax import data, models, optim
 from zerojax.config import load_config
+from zerojax.testing import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -319,9 +320,7 @@ def report_goal(res, note="", tag=""):
 
 
 def table(title, headers, rows):
-  print(f"\n### {title}\n\n| " + " | ".join(headers) + " |\n|" + " --- |" * len(headers))
-  for r in rows:
-    print("| " + " | ".join(str(x) for x in r) + " |")
+  print(f"\n### {title}\n\n" + markdown_table(headers, rows))
 
 
 def main():

@@ -32,6 +32,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
+from zerojax.testing import markdown_table  # pylint: disable=wrong-import-position
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CONFIG = os.path.join("configs", "tiny.py")
@@ -120,8 +122,7 @@ def table(r: dict) -> str:
           ("unigram cross-entropy (train frequencies)", f"{r['unigram_cross_entropy']:.4f}"),
           ("held-out byte entropy (unigram floor)", f"{r['eval_entropy']:.4f}"),
           ("held-out loss / unigram cross-entropy", f"{ratio:.3f}")]
-  return "\n".join(["| quantity | value |", "| --- | --- |"] +
-                   [f"| {k} | {v} |" for k, v in rows])
+  return markdown_table(["quantity", "value"], rows)
 
 
 def main() -> None:

@@ -35,13 +35,12 @@ ARGS.add_argument("--steps", type=int, default=4, help="steps per variant per ro
 ARGS.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
 args = ARGS.parse_args()
 args.rounds = args.rounds or (4 if args.quick else 8)
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count")]
-os.environ["XLA_FLAGS"] = " ".join(
-    _flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # pylint: disable=wrong-import-position
+from zerojax.devices import fake_cpu_devices
+
+fake_cpu_devices(args.devices, memory_flags=False)  # Before JAX starts a backend.
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -50,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import zerojax
 from zerojax import data, models, optim, precision
 from zerojax.config import load_config
+from zerojax.testing import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "train_throughput.json")
@@ -170,12 +170,11 @@ def rows(times, base):
 
 
 def table(results):
-  head = ["| devices | step | ms / step | tokens/s | tokens/s ratio to plain (median) | range "
-          "| fastest-round ratio |", "| --- | --- | --- | --- | --- | --- | --- |"]
-  return "\n".join(head + [
-      f"| {r['devices']} | {r['step']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-      f"{r['ratio']:.3f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['best_ratio']:.3f} |"
-      for r in results])
+  return markdown_table(
+      ["devices", "step", "ms / step", "tokens/s", "tokens/s ratio to plain (median)", "range",
+       "fastest-round ratio"],
+      [[r["devices"], r["step"], f"{r['ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['ratio']:.3f}",
+        f"{r['lo']:.2f}-{r['hi']:.2f}", f"{r['best_ratio']:.3f}"] for r in results])
 
 
 if __name__ == "__main__":

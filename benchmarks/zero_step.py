@@ -32,22 +32,21 @@ ARGS.add_argument("--devices", type=int, default=8, help=argparse.SUPPRESS)
 ARGS.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
 args = ARGS.parse_args()
 
-# Fake devices must be requested before jax is imported. A device count inherited from
-# the parent (by the 64-device child) is replaced; any other flag is kept.
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-          if not f.startswith("--xla_force_host_platform_device_count")]
-os.environ["XLA_FLAGS"] = " ".join(
-    _flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 # pylint: disable=wrong-import-position
+from zerojax.devices import fake_cpu_devices
+
+# Before JAX starts a backend. A device count inherited from the parent (by the
+# 64-device child) is replaced; any other flag is kept.
+fake_cpu_devices(args.devices, memory_flags=False)
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import hlo, optim
+from zerojax import optim
+from zerojax.testing import hlo, markdown_table
 from zerojax.models.mlp_lm import MlpLM
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -265,9 +264,7 @@ def time_all(steps, rounds, per_round):
 
 
 def table(title, headers, rows):
-  print(f"\n#### {title}\n\n| " + " | ".join(headers) + " |\n|" + " --- |" * len(headers))
-  for r in rows:
-    print("| " + " | ".join(str(c) for c in r) + " |")
+  print(f"\n#### {title}\n\n" + markdown_table(headers, rows))
 
 
 def mb(b):

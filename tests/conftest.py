@@ -1,8 +1,6 @@
-"""Test setup: 8 fake CPU devices, set before JAX is imported anywhere."""
+"""Test setup: 8 fake CPU devices, set before JAX starts a backend."""
 
-import os
+from zerojax.devices import fake_cpu_devices
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Without the XLA:CPU memory flags: the tests compile faster with XLA's default scheduler.
+fake_cpu_devices(8, memory_flags=False)

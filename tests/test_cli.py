@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from zerojax import exits, memory_report
+from zerojax.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -24,8 +25,7 @@ TINY = os.path.join(REPO, "configs", "tiny.py")
 
 def run(*args: str, devices: int = 8, timeout: float = 120) -> subprocess.CompletedProcess:
   """`python *args` on `devices` CPU devices (0: XLA's default of one)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices else "")
+  env = dict(fake_devices_env(devices), PYTHONPATH=REPO)
   return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=timeout)
 
@@ -100,7 +100,7 @@ def test_data_error_is_printed_before_the_config(tmp_path):
 def test_token_file_changed_while_training_exits_2(tmp_path):
   path = tmp_path / "tokens.bin"
   np.random.default_rng(0).integers(0, 256, 1 << 18, dtype=np.uint16).tofile(path)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = fake_devices_env(8)
   proc = subprocess.Popen(
       [sys.executable, TRAIN, "--config", TINY, "--config.data.name=tokens", f"--config.data.path={path}",
        "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.eval_every=0",

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 import zerojax
-from zerojax import hlo
+from zerojax.testing import hlo
 
 D, LAYERS, VOCAB = 64, 3, 64
 

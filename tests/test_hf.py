@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from zerojax import exits, export, make_mesh, make_plan
+from zerojax.devices import fake_devices_env
 from zerojax.models import hf, llama
 from zerojax.models.llama import LlamaLM
 
@@ -309,8 +310,7 @@ def run_train(*args):
   """train.py on 8 CPU devices, LLVM at -O0: compiling the step is most of a run this
   small and -O0 takes about 2/3 of the CPU time; the same XLA program, its losses equal
   to the last bit in a check (other values at most a few ulps off, far below 1e-5)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0")
+  env = fake_devices_env(8, "--xla_backend_optimization_level=0")
   return subprocess.run([sys.executable, *TRAIN_ARGS, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=180)
 

@@ -1,4 +1,4 @@
-"""zerojax.hlo on small real programs (8 CPU devices) and on the ZeRO step."""
+"""zerojax.testing.hlo on small real programs (8 CPU devices) and on the ZeRO step."""
 
 import math
 
@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import hlo
+from zerojax.testing import hlo
 from zerojax.models.mlp_lm import MlpLM
 
 

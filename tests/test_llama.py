@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import hlo
+from zerojax.testing import hlo
 from zerojax.models import llama
 from zerojax.models.mlp_lm import MlpLM
 

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import zerojax
-from zerojax import memory, memory_report, models, optim
+from zerojax import memory, memory_report, models, optim, units
 from zerojax.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,11 +150,13 @@ def test_fewest_devices_is_right_by_arithmetic():
   assert n >= 11
 
 
-def test_parse_bytes():
-  assert memory_report.parse_bytes("80GiB") == 80 * 2 ** 30
-  assert memory_report.parse_bytes("141GB") == memory_report.parse_bytes("141g") == 141e9
+def test_bytes_parse_and_format_in_one_place():
+  assert units.parse_bytes("80GiB") == 80 * 2 ** 30
+  assert units.parse_bytes("141GB") == units.parse_bytes("141g") == 141e9
   with pytest.raises(ValueError):
-    memory_report.parse_bytes("eighty")
+    units.parse_bytes("eighty")
+  assert [units.fmt_bytes(n) for n in (0, 512, 1536, 26.92 * 2 ** 30, 1.2 * 2 ** 40)] == [
+      "0 B", "512 B", "1.50 KiB", "26.92 GiB", "1.20 TiB"]
 
 
 def test_cli_verdict_and_exit_status(capsys):

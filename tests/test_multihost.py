@@ -30,6 +30,7 @@ import pytest
 
 from zerojax import distributed, exits, launch
 from zerojax.config import ConfigError, base_config
+from zerojax.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -66,8 +67,7 @@ def compilation_cache(tmp_path_factory):
 def one_process_env(devices: int = 8) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("ZEROJAX_", "JAX_COORDINATOR"))}
-  return dict(env, **_CACHE, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return fake_devices_env(devices, base=dict(env, **_CACHE, PYTHONUNBUFFERED="1"))
 
 
 class Proc:

@@ -15,6 +15,7 @@ import pytest
 import zerojax
 from zerojax import optim, precision
 from zerojax.config import base_config
+from zerojax.devices import fake_devices_env
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.precision import LossScaling, NonFiniteError
 
@@ -349,7 +350,7 @@ def test_reported_learning_rate_counts_only_applied_updates():
 
 
 def run_train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = fake_devices_env(8)
   return subprocess.run([sys.executable, TRAIN, "--config", TINY, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

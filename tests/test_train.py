@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import data, exits, optim
 from zerojax.config import base_config
+from zerojax.devices import fake_devices_env
 from zerojax.mesh import make_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +23,7 @@ TINY = os.path.join(REPO, "configs", "tiny.py")
 
 
 def train_env(**extra: str) -> dict[str, str]:
-  return dict(os.environ, JAX_PLATFORMS="cpu",
-              XLA_FLAGS="--xla_force_host_platform_device_count=8", **extra)
+  return dict(fake_devices_env(8), **extra)
 
 
 def run_train(*args: str, timeout: float = 180,

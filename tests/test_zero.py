@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax import hlo
+from zerojax.testing import hlo
 from zerojax.models.mlp_lm import MlpLM
 
 MESHES = [(8, 1), (2, 4), (1, 8)]

@@ -4,43 +4,12 @@ is the step that trains.
 
 `build(config)` makes the mesh, the model, the optimizer and its schedule, the ZeRO
 plan and the jitted train step, plus abstract (sharded `jax.ShapeDtypeStruct`) inputs
-to lower that step with: nothing is allocated. `cpu_memory_flags` / `fake_cpu_devices`
-set XLA:CPU's environment and must run before JAX starts its backend.
+to lower that step with: nothing is allocated. `compile_step` compiles it (and can dump
+what XLA made of it, for `zerojax.xla_dump`).
 """
 
-import collections
-import glob
-import os
-import re
-import sys
 import time
 from typing import Any, NamedTuple
-
-# XLA:CPU flags that make compiled memory resemble a GPU's (DESIGN.md): the memory-
-# optimizing scheduler, and no hoisting of whole-stack f32 copies out of the layer loop.
-CPU_MEMORY_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-                    "--xla_disable_hlo_passes=while-loop-invariant-code-motion")
-
-
-def fake_cpu_devices(n: int, *extra_flags: str) -> None:
-  """Runs JAX on `n` fake CPU devices with `CPU_MEMORY_FLAGS` (and `extra_flags`).
-
-  XLA reads XLA_FLAGS once, when JAX first starts a backend: call this before any
-  device or compile work (importing jax is fine; `jax.devices()` is too late).
-
-  Raises:
-    RuntimeError: a JAX backend is already running.
-  """
-  bridge = sys.modules.get("jax._src.xla_bridge")
-  if bridge is not None and getattr(bridge, "_backends", None):
-    raise RuntimeError("fake_cpu_devices must run before JAX starts a backend "
-                       "(before jax.devices() or any computation)")
-  os.environ["XLA_FLAGS"] = " ".join([
-      os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={n}",
-      *CPU_MEMORY_FLAGS, *extra_flags]).strip()
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  if "jax" in sys.modules:  # JAX_PLATFORMS is read when jax is imported.
-    sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 class Built(NamedTuple):
@@ -118,40 +87,3 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
 def compiled_memory(built: Built, dump_to: str | None = None) -> dict:
   """`compile_step`'s bytes and seconds alone."""
   return compile_step(built, dump_to)[1]
-
-
-def live_at_peak(dump_dir: str) -> list[tuple[int, str, str]]:
-  """(bytes, shape, HLO value name) of the step's temporaries alive at their peak,
-  largest first, from an XLA dump
-  (`compiled_memory(..., dump_to=DIR)`): the buffer assignment's temporaries,
-  replayed over the live ranges; values sharing an (offset, size) slot count once."""
-  found = glob.glob(os.path.join(dump_dir, "*jit_step*after_optimizations-live-range.txt"))
-  if not found:
-    return []
-  base = found[0][:-len("-live-range.txt")]
-  with open(base + "-buffer-assignment.txt") as f:
-    temp = f.read().split("preallocated-temp:")[1].split("\nallocation")[0]
-  with open(base + "-live-range.txt") as f:
-    live = {n: (int(a), int(b)) for n, a, b in re.findall(r"^    (\S+\{\S*\}):(\d+)-(\d+)",
-                                                         f.read(), re.M)}
-  slots = collections.defaultdict(list)  # (offset, size) -> [(start, end, shape, name)]
-  for name, size, offset, shape in re.findall(
-      r"value: <\d+ (\S+)(?: \(phi\))? @\S+> \(size=(\d+),offset=(\d+)\): (\S+)", temp):
-    name = name if "{" in name else name + "{}"
-    if name in live:
-      slots[(int(offset), int(size))].append((*live[name], shape.split("{")[0], name))
-  events = collections.Counter()
-  for (_, size), spans in slots.items():
-    end = -1
-    for start, stop, *_ in sorted(spans):  # A slot's overlapping spans count once.
-      start = max(start, end + 1)
-      if stop >= start:
-        events[start], events[stop + 1], end = events[start] + size, events[stop + 1] - size, stop
-  total, peak, when = 0, 0, 0
-  for t in sorted(events):
-    total += events[t]
-    if total > peak:
-      peak, when = total, t
-  return sorted(((size, *next((sh, n) for a, b, sh, n in spans if a <= when <= b))
-                 for (_, size), spans in slots.items()
-                 if any(a <= when <= b for a, b, *_ in spans)), reverse=True)

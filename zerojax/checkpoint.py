@@ -46,6 +46,7 @@ from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 from zerojax import checksums
 from zerojax import step as step_lib
 from zerojax import zero
+from zerojax.config_schema import flatten
 
 _policies = ocp.checkpoint_managers
 # Config keys a checkpoint must agree on: the model's shape and function, and what
@@ -69,15 +70,6 @@ class SaveError(RuntimeError):
   """A checkpoint that could not be written (disk full, no permission, ...)."""
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """{'a.b': value} from a nested dict or ConfigDict."""
-  out = {}
-  for key, value in (tree.to_dict() if hasattr(tree, "to_dict") else tree).items():
-    out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, Mapping)
-               else {f"{prefix}{key}": value})
-  return out
-
-
 def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
   """Raises `CheckpointError` if `config` describes another model than the checkpoint.
 
@@ -89,7 +81,7 @@ def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
   if "config" not in meta:
     return  # Saved without a config (a library user's checkpoint): nothing to check.
   # Through JSON, as the saved one went: tuples become lists, and so on.
-  saved, wanted = _flatten(meta["config"]), json.loads(json.dumps(_flatten(config), default=str))
+  saved, wanted = flatten(meta["config"])[0], json.loads(json.dumps(flatten(config)[0], default=str))
   keys = sorted(k for k in saved.keys() | wanted.keys()
                 if (k.startswith("model.") and k not in _COMPUTE_ONLY) or k in _STATE_KEYS)
   no = "<absent>"

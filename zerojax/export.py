@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from zerojax import exits
-from zerojax.memory_report import parse_bytes
+from zerojax.units import parse_bytes
 from zerojax.models.safetensors_file import HFError
 
 

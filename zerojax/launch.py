@@ -30,6 +30,7 @@ import threading
 import time
 
 from zerojax import exits
+from zerojax.devices import fake_devices_env
 
 
 def free_port() -> int:
@@ -45,12 +46,7 @@ def child_env(rank: int, nproc: int, port: int, devices: int,
   env = dict(os.environ if base is None else base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
              ZEROJAX_NUM_PROCESSES=str(nproc), ZEROJAX_PROCESS_ID=str(rank),
              PYTHONUNBUFFERED="1")
-  if devices:
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    env.setdefault("JAX_PLATFORMS", "cpu")
-  return env
+  return fake_devices_env(devices, base=env) if devices else env
 
 
 def _die_with_parent() -> None:

@@ -10,29 +10,13 @@ Exit status: 0 fits (or no --device-memory given), 1 does not fit, 2 bad config.
 import dataclasses
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 
-from zerojax.memory import (_BYTES, GiB, Estimate, Setup, Suggestion, attribute, estimate,
+from zerojax.memory import (DTYPE_BYTES, Estimate, RunSpec, Suggestion, attribute, estimate,
                             suggestions)
-
-
-def parse_bytes(text: str) -> int:
-  """'80GiB', '80GB' (1e9), '141G' (1e9), '512MiB', '1e9' -> bytes."""
-  m = re.fullmatch(r"\s*([\d.e+]+)\s*([kmgt]?)(i?)b?\s*", str(text).lower())
-  if not m:
-    raise ValueError(f"not a size: {text!r} (write e.g. 80GiB or 141GB)")
-  power = " kmgt".index(m.group(2) or " ")
-  return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
-
-def _fmt(n: float) -> str:
-  for unit, size in (("GiB", GiB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-    if abs(n) >= size or unit == "KiB":
-      return f"{n / size:.2f} {unit}"
-  return f"{n:.0f} B"
+from zerojax.units import fmt_bytes, parse_bytes
 
 
 def _count(n: int) -> str:
@@ -44,15 +28,15 @@ def _gb(n: float) -> str:  # Decimal units, as the hand arithmetic counts.
 
 
 def _cpu_without_memory_flags() -> bool:
-  """Compiled by XLA:CPU without `build.CPU_MEMORY_FLAGS` (its default scheduler keeps
+  """Compiled by XLA:CPU without `devices.CPU_MEMORY_FLAGS` (its default scheduler keeps
   more alive than the planner, calibrated with them, expects)."""
-  from zerojax.build import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
+  from zerojax.devices import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
   jax = sys.modules.get("jax")
   return (jax is not None and jax.default_backend() == "cpu"
           and not all(f in os.environ.get("XLA_FLAGS", "") for f in CPU_MEMORY_FLAGS))
 
 
-def _labels(s: Setup) -> dict:
+def _labels(s: RunSpec) -> dict:
   b = s.behaviour
   shard = lambda on: f", /{s.fsdp}" if on else ""
   moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
@@ -82,7 +66,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   """The plan as text: conventional bytes/param, per-device components (estimate and,
   if given, compiled), total, verdict."""
   s, c = e.setup, e.conventional
-  held = c["params"] + _BYTES[s.reduce_dtype] + c["optimizer"]
+  held = c["params"] + DTYPE_BYTES[s.reduce_dtype] + c["optimizer"]
   k = c["optimizer"]
   lines = [
       f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
@@ -94,7 +78,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
       f"optimizer {k:g} = {e.bytes_per_param:g} B/param = {_gb(e.params * e.bytes_per_param)} "
       f"in all; per device at stage {s.stage}: {_gb(e.conventional_per_device)}",
       f"what zerojax holds: params {c['params']} + optimizer {k:g} (state) + {s.reduce_dtype} "
-      f"gradients {_BYTES[s.reduce_dtype]} (temporaries) = {held:g} B/param before sharding, "
+      f"gradients {DTYPE_BYTES[s.reduce_dtype]} (temporaries) = {held:g} B/param before sharding, "
       "plus activations:"]
   head = f"  {'component (per device)':44s} {'estimate':>11s}"
   if compiled:
@@ -102,8 +86,8 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   lines.append(head)
   peak = e.peak_phase
   row = lambda mark, label, est, comp=None: lines.append(
-      f"{mark} {label:44s} {_fmt(est):>11s}" + (
-          "" if comp is None else f" {_fmt(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")))
+      f"{mark} {label:44s} {fmt_bytes(est):>11s}" + (
+          "" if comp is None else f" {fmt_bytes(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")))
   labels = _labels(s)
   for key in ("params", "optimizer", "update buffer", "batch"):
     if key in e.components:
@@ -119,7 +103,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
           attributed.get(key) if compiled and attributed else None)
   if compiled and attributed:
     rest = compiled["temporaries"] - sum(v for k, v in attributed.items() if k in e.components)
-    lines.append(f"  {'(compiled only: padding, other buffers)':44s} {'':>11s} {_fmt(rest):>11s}")
+    lines.append(f"  {'(compiled only: padding, other buffers)':44s} {'':>11s} {fmt_bytes(rest):>11s}")
   row(" ", f"= temporaries at the peak: {peak} (*)", e.phases[peak],
       compiled and compiled["temporaries"])
   row(" ", "= total per device", e.total,
@@ -131,8 +115,8 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
                  "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
   if e.device_memory:
     lines.append(f"verdict: {'fits' if e.fits else 'does NOT fit'} in "
-                 f"{_fmt(e.device_memory)} per device: {'headroom' if e.fits else 'short by'} "
-                 f"{_fmt(abs(e.headroom))} ({abs(e.headroom) / e.device_memory:.0%})")
+                 f"{fmt_bytes(e.device_memory)} per device: {'headroom' if e.fits else 'short by'} "
+                 f"{fmt_bytes(abs(e.headroom))} ({abs(e.headroom) / e.device_memory:.0%})")
   return "\n".join(lines)
 
 
@@ -150,7 +134,7 @@ def _differences(e, compiled, attributed, labels) -> list[str]:
          and abs(d) > 0.02 * total]
   if big and abs(ratio - 1) > 0.1:
     out.append("where they differ (compiled minus estimate at the peak): " + "; ".join(
-        f"{labels[k]} {'+' if d > 0 else '-'}{_fmt(abs(d))}" for d, k in big))
+        f"{labels[k]} {'+' if d > 0 else '-'}{fmt_bytes(abs(d))}" for d, k in big))
   return out
 
 
@@ -161,7 +145,7 @@ def format_suggestions(e: Estimate, found: list[Suggestion]) -> str:
     return "no change tried here makes it fit (see zerojax.memory._changes)"
   lines = ["changes that make it fit, cheapest first:"]
   for i, x in enumerate(found, 1):
-    lines.append(f"  {i}. {x.change:60s} -> {_fmt(x.estimate.total):>11s} "
+    lines.append(f"  {i}. {x.change:60s} -> {fmt_bytes(x.estimate.total):>11s} "
                  f"({' '.join('--config.' + o for o in x.overrides)})")
   return "\n".join(lines)
 
@@ -197,17 +181,17 @@ def _main(argv: list[str]) -> int:
   except ValueError as err:
     p.error(str(err))
   if args.compile:  # XLA reads its flags when JAX starts its backend: before any device work.
-    from zerojax.build import fake_cpu_devices  # pylint: disable=import-outside-toplevel
+    from zerojax.devices import fake_cpu_devices  # pylint: disable=import-outside-toplevel
     fake_cpu_devices(args.devices)
   config = load_config(path, overrides, num_devices=args.devices)
   e = estimate(config, args.devices, device_memory)
   compiled = attributed = None
   if args.compile:
-    from zerojax import build  # pylint: disable=import-outside-toplevel
+    from zerojax import build, xla_dump  # pylint: disable=import-outside-toplevel
     dump = tempfile.mkdtemp(prefix="zerojax_memory_")
     try:  # The buffer assignment says what the temporaries at the peak are.
       compiled = build.compiled_memory(build.build(config), dump_to=dump)
-      attributed = attribute(e.setup, build.live_at_peak(dump))
+      attributed = attribute(e.setup, xla_dump.live_at_peak(dump))
     finally:
       shutil.rmtree(dump, ignore_errors=True)
   found = suggestions(e.setup, device_memory=device_memory)

@@ -27,14 +27,6 @@ def peak_flops(device: jax.Device, override: float = 0.0) -> float:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
 
 
-def fmt_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n:.2f} TiB"
-
-
 class Reporter:
   """Prints lines and appends JSON records to `<workdir>/metrics.jsonl` (process 0).
 

@@ -18,7 +18,7 @@ per-device bytes of every component of a train step, in two views.
   gathered layer / embedding / head, the loss chunk's fp32 logits. Their peak is the
   largest of three phases (layer backward, loss backward, end of the backward).
 
-The temporaries are calibrated against XLA:CPU with `CPU_MEMORY_FLAGS` (the only
+The temporaries are calibrated against XLA:CPU with `devices.CPU_MEMORY_FLAGS` (the only
 compiler this project can check; `--compile` shows it beside the estimate): within 2%
 for the 1B, 8B and 70B configs, 5% for the tiny one (one exception: the tiny config
 with remat 'full', 0.79, whose small layers XLA keeps whole). What is XLA:CPU's own:
@@ -43,20 +43,19 @@ import dataclasses
 import functools
 import math
 import re
-import sys
 
 from zerojax import models
 from zerojax.models.attention import attention_kernel
 from zerojax.zero import StageBehaviour, local_shape, shard_dim
 
-GiB = 2 ** 30
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _REMAT_ORDER = ("none", "dots", "full")  # Increasing recomputation.
 
 
 @dataclasses.dataclass(frozen=True)
-class Setup:
-  """What the planner reads of a config, resolved for a device count."""
+class RunSpec:
+  """One training run as the planner sees it: what it reads of a config, resolved for a
+  device count (the `setup` of an `Estimate`)."""
   model: str
   vocab_size: int
   d_model: int
@@ -89,7 +88,7 @@ class Setup:
   param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
 
   @classmethod
-  def from_config(cls, config, devices: int) -> "Setup":
+  def from_config(cls, config, devices: int) -> "RunSpec":
     """Raises ConfigError when the mesh does not fit `devices`."""
     from zerojax.config import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
@@ -118,12 +117,12 @@ class Setup:
     return StageBehaviour.of(self.stage, self.fsdp)
 
 
-def _leaves(s: Setup) -> list[tuple[tuple[int, ...], bool, bool]]:
+def _leaves(s: RunSpec) -> list[tuple[tuple[int, ...], bool, bool]]:
   """(shape, layer-stacked, vocab-sized) of every parameter leaf, as the model makes them."""
   return [(shape, "layers" in names, "vocab" in names) for shape, names in s.param_shapes]
 
 
-def _local_shape(s: Setup, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
+def _local_shape(s: RunSpec, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
   """One device's shard of a leaf, by the plan's rule (`zero.shard_dim`)."""
   names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
   return local_shape(shape, shard_dim(shape, names, s.fsdp, s.min_shard_size), s.fsdp)
@@ -134,7 +133,7 @@ class Counts(collections.namedtuple("Counts", "total layers local local_layers l
   the largest layer-stacked leaf."""
 
 
-def param_counts(s: Setup) -> Counts:
+def param_counts(s: RunSpec) -> Counts:
   total = layers = local = local_layers = largest = 0
   for shape, layered, _ in _leaves(s):
     n, n_local = math.prod(shape), math.prod(_local_shape(s, shape, layered))
@@ -158,7 +157,7 @@ class Estimate:
     state: per-device bytes of the train state and the batch (the step's arguments).
     device_memory: bytes per device to fit in (0: not given).
   """
-  setup: Setup
+  setup: RunSpec
   params: int
   conventional: dict
   components: dict
@@ -201,21 +200,21 @@ class Estimate:
     return self.device_memory - self.total
 
 
-def _as_setup(config, devices: int | None) -> Setup:
-  if isinstance(config, Setup):
+def _as_setup(config, devices: int | None) -> RunSpec:
+  if isinstance(config, RunSpec):
     return config
   if devices is None:
     raise ValueError("estimate(config, devices): say how many devices")
-  return Setup.from_config(config, devices)
+  return RunSpec.from_config(config, devices)
 
 
 def estimate(config, devices: int | None = None, device_memory: int = 0) -> Estimate:
-  """Per-device memory of the train step of `config` (a config or a `Setup`) on `devices`."""
+  """Per-device memory of the train step of `config` (a config or a `RunSpec`) on `devices`."""
   s = _as_setup(config, devices)
   counts = param_counts(s)
   P, n = counts.total, s.batch * s.seq_len
-  pb, cb, sb = _BYTES[s.param_dtype], _BYTES[s.compute_dtype], _BYTES[s.state_dtype]
-  gb, ab = _BYTES[s.reduce_dtype], _BYTES[s.accum_dtype]
+  pb, cb, sb = (DTYPE_BYTES[d] for d in (s.param_dtype, s.compute_dtype, s.state_dtype))
+  gb, ab = DTYPE_BYTES[s.reduce_dtype], DTYPE_BYTES[s.accum_dtype]
   D, F, L, V, T, b = s.d_model, s.d_ff, s.n_layers, s.vocab_size, s.seq_len, s.batch
   H, kv = s.n_heads, s.n_kv_heads * (s.d_model // s.n_heads)
   moments = {"adamw": 2, "lion": 1, "sgd": 1 if s.momentum else 0}[s.optimizer]
@@ -307,7 +306,7 @@ class Suggestion:
   estimate: Estimate
 
 
-def _changes(s: Setup) -> list[list[tuple[str, tuple, dict]]]:
+def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   """Changes that save memory, cheapest kind first; each kind's levels mildest first.
 
   Cost to training: Kahan matches fp32 master weights (WORKSPACE: stall table); a stage
@@ -393,7 +392,7 @@ def suggestions(config, devices: int | None = None,
 # ------------------------------------------------------------------ compiled truth
 
 
-def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
+def attribute(s: RunSpec, buffers: list[tuple[int, str, str]]) -> dict:
   """Compiled temporaries at the peak, by estimate component, from their shapes."""
   V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.seq_len, s.batch
   local = functools.partial(_local_shape, s)
@@ -425,7 +424,3 @@ def attribute(s: Setup, buffers: list[tuple[int, str, str]]) -> dict:
     out[key] += size
   return dict(out)
 
-
-if __name__ == "__main__":  # python -m zerojax.memory: the CLI lives in memory_report.
-  from zerojax.memory_report import main
-  sys.exit(main())

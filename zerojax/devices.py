@@ -1,0 +1,59 @@
+"""Fake CPU devices: the one place that writes XLA's device-count flag.
+
+`train.py --fake_devices N`, `python -m zerojax.memory --compile`, `python -m
+zerojax.launch --devices_per_process M`, the tests and the benchmarks all get their
+devices from here: `fake_cpu_devices(n)` for this process, `fake_devices_env(n)` for a
+child's environment.
+"""
+
+import os
+import sys
+from collections.abc import Mapping
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+# XLA:CPU flags that make compiled memory resemble a GPU's: the memory-optimizing
+# scheduler (the default one keeps more alive), and no hoisting of whole-stack f32
+# copies out of the layer loop. The planner (`zerojax.memory`) is calibrated with them.
+CPU_MEMORY_FLAGS = ("--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
+                    "--xla_disable_hlo_passes=while-loop-invariant-code-motion")
+
+
+def fake_devices_env(n: int, *flags: str,
+                     base: Mapping[str, str] | None = None) -> dict[str, str]:
+  """An environment (a copy of `base`, default `os.environ`) that runs JAX on `n` CPU
+  devices.
+
+  Any device count already in XLA_FLAGS is replaced (n=0: removed, so XLA's default of
+  one device); its other flags are kept and `flags` are appended. JAX_PLATFORMS is
+  `cpu`: fake devices are CPU devices, also on a machine with an accelerator.
+  """
+  env = dict(os.environ if base is None else base)
+  kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_COUNT_FLAG)]
+  env["XLA_FLAGS"] = " ".join([*kept, *([f"{_COUNT_FLAG}={n}"] if n else []), *flags])
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def fake_cpu_devices(n: int, *flags: str, memory_flags: bool = True) -> None:
+  """Runs this process's JAX on `n` fake CPU devices (see `fake_devices_env`).
+
+  Args:
+    n: the device count.
+    *flags: more XLA flags.
+    memory_flags: also set `CPU_MEMORY_FLAGS`, so compiled memory is what the planner
+      expects (train.py and the planner); the tests compile faster without them.
+
+  XLA reads XLA_FLAGS once, when JAX first starts a backend: call this before any
+  device or compile work (importing jax is fine; `jax.devices()` is too late).
+
+  Raises:
+    RuntimeError: a JAX backend is already running.
+  """
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  if bridge is not None and getattr(bridge, "_backends", None):
+    raise RuntimeError("fake_cpu_devices must run before JAX starts a backend "
+                       "(before jax.devices() or any computation)")
+  os.environ.update(fake_devices_env(n, *(CPU_MEMORY_FLAGS if memory_flags else ()), *flags))
+  if "jax" in sys.modules:  # JAX_PLATFORMS is read when jax is imported.
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
