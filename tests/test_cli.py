@@ -136,3 +136,12 @@ def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
   assert_one_error(result, "the step needs 121.06 GiB of host memory", "available",
                    "the memory plan above")
   assert "verdict: does NOT fit" in result.stdout and "changes that make it fit" in result.stdout
+
+
+@pytest.mark.parametrize("command", [[TRAIN], ["-m", "zerojax.config"], ["-m", "zerojax.memory"],
+                                     ["-m", "zerojax.launch"]])
+def test_help_prints_usage_and_exits_0(command):
+  result = run(*command, "--help")
+  assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
+  if command[-1] != "zerojax.launch":  # The launcher takes no config; the others say how.
+    assert "--config PATH" in result.stdout and "--config.KEY VALUE" in result.stdout

@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import (ArgumentParser, load_config,  # pylint: disable=import-outside-toplevel
-                              parse_argv)
-  path, overrides, rest = parse_argv(argv)
+  from zerojax.config import (ArgumentParser, ConfigError,  # pylint: disable=import-outside-toplevel
+                              load_config, parse_argv)
+  path, overrides, rest = parse_argv(argv, default="")  # So that --help works without one.
   p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
   p.add_argument("--devices", type=int, required=True, help="devices the run uses")
   p.add_argument("--device-memory", "--device_memory", default="",
@@ -176,6 +176,9 @@ def _main(argv: list[str]) -> int:
                  "fake CPU devices (XLA:CPU memory flags) and show XLA's numbers")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   args = p.parse_args(rest)
+  if not path:
+    raise ConfigError("no config file given.", source="the command line",
+                      fix="pass --config path/to/config.py, e.g. --config configs/70b_bf16.py")
   try:
     device_memory = parse_bytes(args.device_memory) if args.device_memory else 0
   except ValueError as err:
