@@ -67,6 +67,7 @@ def main():
 
   import jax
   import jax.numpy as jnp
+
   import zerojax
   from zerojax import optim
   from zerojax.models import llama

@@ -43,9 +43,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 
-from zerojax import checksums
-from zerojax import step as step_lib
-from zerojax import zero
+from zerojax import checksums, step as step_lib, zero
 from zerojax.config_schema import flatten
 
 _policies = ocp.checkpoint_managers

@@ -29,9 +29,21 @@ from typing import Any
 import ml_collections
 
 from zerojax import exits
-from zerojax.config_schema import (ConfigError, Source, check_tree, check_value, closest,
-                                   deepspeed_keys, flatten, group_error, parent_of, schema, source_of,
-                                   type_name, unknown_key)
+from zerojax.config_schema import (
+  ConfigError,
+  Source,
+  check_tree,
+  check_value,
+  closest,
+  deepspeed_keys,
+  flatten,
+  group_error,
+  parent_of,
+  schema,
+  source_of,
+  type_name,
+  unknown_key,
+)
 from zerojax.schema import base_config, describe
 
 __all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv", "validate",

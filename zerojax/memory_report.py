@@ -14,8 +14,15 @@ import shutil
 import sys
 import tempfile
 
-from zerojax.memory import (DTYPE_BYTES, Estimate, RunSpec, Suggestion, attribute, estimate,
-                            suggestions)
+from zerojax.memory import (
+  DTYPE_BYTES,
+  Estimate,
+  RunSpec,
+  Suggestion,
+  attribute,
+  estimate,
+  suggestions,
+)
 from zerojax.units import fmt_bytes, parse_bytes
 
 
@@ -165,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import (ArgumentParser, ConfigError,  # pylint: disable=import-outside-toplevel
-                              load_config, parse_argv)
+  from zerojax.config import ArgumentParser, ConfigError, load_config, parse_argv  # pylint: disable=import-outside-toplevel
   path, overrides, rest = parse_argv(argv, default="")  # So that --help works without one.
   p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
   p.add_argument("--devices", type=int, required=True, help="devices the run uses")
