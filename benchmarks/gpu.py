@@ -1,7 +1,7 @@
 """One-GPU benchmark: MFU, the optimizer update's memory bandwidth, memory vs the planner.
 
-    bash benchmarks/gpu.sh                 # one H200: under 8 minutes -> results/gpu.json
-    bash benchmarks/gpu.sh --cpu           # tiny shapes on CPU (a smoke test) -> results/gpu_cpu.json
+    bash benchmarks/gpu.sh         # one H200: under 8 minutes -> results/gpu.json
+    bash benchmarks/gpu.sh --cpu   # tiny shapes on CPU (a smoke test) -> results/gpu_cpu.json
     python benchmarks/gpu.py --cpu --configs 1b --remat full --steps 1   # the test's run
 
 Three measurements, each in its own subprocess (a fresh device: memory peaks are per
