@@ -31,11 +31,27 @@ import ml_collections
 import numpy as np
 
 import zerojax
-from zerojax import (checkpoint, data, distributed, exits, memory, memory_report, metrics,
-                     peers, precision, units, workdir)
+from zerojax import (
+  checkpoint,
+  data,
+  distributed,
+  exits,
+  memory,
+  memory_report,
+  metrics,
+  peers,
+  precision,
+  units,
+  workdir,
+)
 from zerojax.build import Built, build, compile_step
-from zerojax.config import (ArgumentParser, ConfigError, exit_on_config_error, load_config,
-                            parse_argv)
+from zerojax.config import (
+  ArgumentParser,
+  ConfigError,
+  exit_on_config_error,
+  load_config,
+  parse_argv,
+)
 from zerojax.devices import fake_cpu_devices
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf

@@ -99,6 +99,7 @@ def random_state(plan):
   birth (one jit with out_shardings: no leaf is ever whole on one device)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   import zerojax  # pylint: disable=import-outside-toplevel
   from zerojax.step import state_shardings  # pylint: disable=import-outside-toplevel
 
@@ -131,6 +132,7 @@ def child(spec: dict) -> dict:
   import resource  # pylint: disable=import-outside-toplevel
 
   import jax  # pylint: disable=import-outside-toplevel
+
   from zerojax import checkpoint, checksums  # pylint: disable=import-outside-toplevel
   from zerojax.build import build  # pylint: disable=import-outside-toplevel
   from zerojax.config import load_config  # pylint: disable=import-outside-toplevel

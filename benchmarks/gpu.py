@@ -1,7 +1,7 @@
 """One-GPU benchmark: MFU, the optimizer update's memory bandwidth, memory vs the planner.
 
-    bash benchmarks/gpu.sh                 # one H200: under 8 minutes -> results/gpu.json
-    bash benchmarks/gpu.sh --cpu           # tiny shapes on CPU (a smoke test) -> results/gpu_cpu.json
+    bash benchmarks/gpu.sh         # one H200: under 8 minutes -> results/gpu.json
+    bash benchmarks/gpu.sh --cpu   # tiny shapes on CPU (a smoke test) -> results/gpu_cpu.json
     python benchmarks/gpu.py --cpu --configs 1b --remat full --steps 1   # the test's run
 
 Three measurements, each in its own subprocess (a fresh device: memory peaks are per
@@ -93,6 +93,7 @@ def parse_args(argv=None):
 
 def _device_info():
   import jax  # pylint: disable=import-outside-toplevel
+
   from zerojax import metrics  # pylint: disable=import-outside-toplevel
   d = jax.devices()[0]
   stats = d.memory_stats() or {}
@@ -121,6 +122,7 @@ def child_bandwidth(cpu: bool) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
+
   from zerojax import optim  # pylint: disable=import-outside-toplevel
 
   info = _device_info()
@@ -210,6 +212,7 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   import zerojax  # pylint: disable=import-outside-toplevel
   from zerojax import build  # pylint: disable=import-outside-toplevel
   from zerojax.config import load_config  # pylint: disable=import-outside-toplevel

@@ -51,7 +51,8 @@ def peak_buffers(dump_dir: str, n: int) -> list[str]:
   if os.path.exists(values):
     with open(values) as f:
       ops = dict(re.findall(r"from instruction: %(\S+) = .*?op_name=\"([^\"]*)\"", f.read()))
-  rows = [f"{sum(size for size, *_ in at_peak) / 1e9:8.2f} GB of temporaries live at the peak; the largest:"]
+  total = sum(size for size, *_ in at_peak)
+  rows = [f"{total / 1e9:8.2f} GB of temporaries live at the peak; the largest:"]
   rows += [f"{size / 1e9:8.2f} GB  {shape:24s} {name:28s} {ops.get(name.split('{')[0], '')[-70:]}"
            for size, shape, name in at_peak[:n]]
   return rows
@@ -67,6 +68,7 @@ def main():
 
   import jax
   import jax.numpy as jnp
+
   import zerojax
   from zerojax import optim
   from zerojax.models import llama

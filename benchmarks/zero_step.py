@@ -46,8 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
 from zerojax import optim
-from zerojax.testing import hlo, markdown_table
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.testing import hlo, markdown_table
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # ~0.1-0.25 s per step on 8 fake devices sharing 2 cores.

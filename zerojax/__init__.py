@@ -7,9 +7,8 @@ layer's params so that stage 3 gathers one layer at a time.
 """
 
 from zerojax.mesh import make_mesh
-from zerojax.step import (TrainState, abstract_state, init_state, make_eval_step,
-                          make_train_step)
 from zerojax.stage3 import Sharded, gather
+from zerojax.step import TrainState, abstract_state, init_state, make_eval_step, make_train_step
 from zerojax.zero import StageBehaviour, ZeroPlan, flax_logical_axes, make_plan
 
 __all__ = ["Sharded", "StageBehaviour", "TrainState", "ZeroPlan", "abstract_state",

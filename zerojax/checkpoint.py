@@ -43,9 +43,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 
-from zerojax import checksums
-from zerojax import step as step_lib
-from zerojax import zero
+from zerojax import checksums, step as step_lib, zero
 from zerojax.config_schema import flatten
 
 _policies = ocp.checkpoint_managers
@@ -81,7 +79,8 @@ def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
   if "config" not in meta:
     return  # Saved without a config (a library user's checkpoint): nothing to check.
   # Through JSON, as the saved one went: tuples become lists, and so on.
-  saved, wanted = flatten(meta["config"])[0], json.loads(json.dumps(flatten(config)[0], default=str))
+  saved = flatten(meta["config"])[0]
+  wanted = json.loads(json.dumps(flatten(config)[0], default=str))
   keys = sorted(k for k in saved.keys() | wanted.keys()
                 if (k.startswith("model.") and k not in _COMPUTE_ONLY) or k in _STATE_KEYS)
   no = "<absent>"

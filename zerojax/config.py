@@ -1,4 +1,4 @@
-"""Loading, overriding and strictly validating zerojax configs.
+"""Loading, overriding and strictly validating zerojax configs (the rules: `zerojax.validate`).
 
 A config is a Python file whose `get_config()` starts from the schema's defaults
 (`base_config()`, from `zerojax.schema`) and changes values. Command-line
@@ -18,7 +18,6 @@ import functools
 import importlib.util
 import inspect
 import json
-import math
 import os
 import re
 import sys
@@ -29,188 +28,22 @@ from typing import Any
 import ml_collections
 
 from zerojax import exits
-from zerojax.config_schema import (ConfigError, Source, check_tree, check_value, closest,
-                                   deepspeed_keys, flatten, group_error, parent_of, schema, source_of,
-                                   type_name, unknown_key)
+from zerojax.config_schema import (
+  ConfigError,
+  check_tree,
+  closest,
+  deepspeed_keys,
+  group_error,
+  parent_of,
+  schema,
+  type_name,
+  unknown_key,
+)
 from zerojax.schema import base_config, describe
+from zerojax.validate import resolve_mesh_shape, validate
 
-__all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv", "validate",
-           "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
-
-
-def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
-                       source: Source = "the config") -> tuple[int, int]:
-  """Returns the (data, fsdp) mesh shape for `num_devices`, resolving a -1 to the devices left over.
-
-  The arithmetic and its messages are `zerojax.mesh.resolve_shape`'s, in the config's key names.
-
-  Raises:
-    ConfigError: both sizes are -1, a -1 cannot take an even share, or the product is not num_devices.
-  """
-  from zerojax.mesh import MeshShapeError, resolve_shape  # pylint: disable=import-outside-toplevel
-  try:
-    return resolve_shape((config.mesh.data, config.mesh.fsdp), num_devices, names=("mesh.data", "mesh.fsdp"))
-  except MeshShapeError as e:
-    raise ConfigError(e.problem, key=e.key or "mesh", source=source_of(source, "mesh.data", "mesh.fsdp"),
-                      fix=e.fix) from None
-
-
-def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: Source) -> None:
-  gbs, micro = config.train.global_batch_size, config.train.microbatches
-  unit = dp * micro
-  what = f"{what} x train.microbatches ({micro})" if what else f"train.microbatches ({micro})"
-  if gbs % unit:
-    lower, upper = gbs // unit * unit, (gbs // unit + 1) * unit
-    nearest = " or ".join(str(b) for b in (lower, upper) if b > 0)
-    raise ConfigError(f"{gbs} sequences cannot be split evenly over {what} = {unit}.",
-                      key="train.global_batch_size", source=source_of(
-                          source, "train.global_batch_size", "train.microbatches", "mesh.data", "mesh.fsdp"),
-                      fix=f"use a multiple of {unit}, e.g. train.global_batch_size={nearest}, "
-                          "or change train.microbatches")
-
-
-# Keys that only one model family reads: setting one for the other family is an error,
-# not a silently ignored value.
-_MODEL_ONLY = {
-    "mlp_lm": ("context",),
-    "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_context", "norm_eps", "tie_embeddings",
-              "attention", "attention_block", "loss_chunk"),
-}
-
-
-def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
-  m, base = config.model, schema()[0]
-  for family, keys in _MODEL_ONLY.items():
-    if family == m.name:
-      continue
-    for key in keys:
-      if m[key] != base[f"model.{key}"]:
-        raise ConfigError(f"is set to {m[key]!r}, but only model.name={family!r} reads it and this "
-                          f"model is {m.name!r}.", key=f"model.{key}", source=source_of(source, f"model.{key}"),
-                          fix=f"remove it, or set model.name={family!r}")
-  if m.name == "llama":
-    where = source_of(source, "model.n_heads", "model.n_kv_heads", "model.d_model")
-    if m.n_heads % m.n_kv_heads:
-      raise ConfigError(f"n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}.",
-                        key="model.n_kv_heads", source=where, fix="use a divisor of n_heads")
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-      raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even size "
-                        "(rotary embeddings rotate pairs).", key="model.d_model", source=where,
-                        fix="choose d_model divisible by 2 * n_heads")
-
-
-def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
-  """Dtype combinations that cannot work, or silently do nothing."""
-  p, o = config.precision, config.optimizer
-  where = lambda *keys: source_of(source, *keys)
-  low = {p.param_dtype, p.compute_dtype} - {"float32"}
-  if len(low) > 1:
-    raise ConfigError(f"param_dtype={p.param_dtype!r} with compute_dtype={p.compute_dtype!r} mixes "
-                      "float16 and bfloat16.", key="precision.compute_dtype",
-                      source=where("precision.param_dtype", "precision.compute_dtype"),
-                      fix="use the same 16-bit format for both (bfloat16 needs no loss scaling)")
-  if o.update_rule == "stochastic" and p.param_dtype != "bfloat16":
-    raise ConfigError(f"stochastic rounding is implemented for bfloat16 params, not {p.param_dtype}.",
-                      key="optimizer.update_rule", source=where("optimizer.update_rule", "precision.param_dtype"),
-                      fix="use update_rule 'kahan' (any dtype) or param_dtype 'bfloat16'")
-  if o.update_rule in ("kahan", "master") and p.param_dtype == "float32":
-    raise ConfigError(f"update_rule {o.update_rule!r} compensates low-precision params, but params are "
-                      "float32: it would only spend memory.", key="optimizer.update_rule",
-                      source=where("optimizer.update_rule", "precision.param_dtype"),
-                      fix="use update_rule 'nearest' with float32 params")
-  ls = p.loss_scale
-  if "float16" in (p.param_dtype, p.compute_dtype) and ls.min_scale > 2.0 ** ls.initial_power:
-    raise ConfigError(f"min_scale={ls.min_scale:g} is above the first scale 2**{ls.initial_power}: the "
-                      "first back-off would raise the scale.", key="precision.loss_scale.min_scale",
-                      source=where("precision.loss_scale.min_scale", "precision.loss_scale.initial_power"),
-                      fix=f"use min_scale <= 2**initial_power = {2.0 ** ls.initial_power:g}")
-  # A bf16 second moment cannot decay: nu * b2 rounds back to nu when 1 - b2 < 2^-9.
-  if o.name == "adamw" and o.state_dtype == "bfloat16" and 1 - o.b2 < 2 ** -8:
-    raise ConfigError(f"b2={o.b2} with bfloat16 optimizer state: each step shrinks nu by {1 - o.b2:.2g}, "
-                      "under bfloat16's resolution, so nu never decays.", key="optimizer.b2",
-                      source=where("optimizer.b2", "optimizer.state_dtype"),
-                      fix="use b2 <= 0.996 (e.g. 0.95) or optimizer.state_dtype='float32'")
-
-
-def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
-  """The keys each data source needs; the files themselves are checked by zerojax.data.load_tokens."""
-  d = config.data
-  where = lambda *keys: source_of(source, *keys, "data.name")
-  if d.name == "stdlib":
-    if d.path or d.eval_path:
-      key = "data.path" if d.path else "data.eval_path"
-      raise ConfigError("is set, but data.name='stdlib' reads no file.", key=key, source=where(key),
-                        fix="set data.name='tokens' (.bin / .npy ids) or 'text' (.txt / .jsonl), or clear it")
-    if config.model.vocab_size < 256:
-      raise ConfigError(f"is {config.model.vocab_size}, but data.name='stdlib' has byte tokens (ids 0-255).",
-                        key="model.vocab_size", source=where("model.vocab_size"), fix="use model.vocab_size >= 256")
-    return
-  kinds = "a .bin or .npy file of token ids" if d.name == "tokens" else "a .txt or .jsonl file"
-  if not d.path:
-    raise ConfigError(f"is empty, but data.name={d.name!r} reads its tokens from a file.", key="data.path",
-                      source=where("data.path"), fix=f"set data.path to {kinds}")
-  if d.name == "text" and not d.tokenizer:
-    raise ConfigError("is empty, but data.name='text' needs a tokenizer.", key="data.tokenizer",
-                      source=where("data.tokenizer"), fix="set data.tokenizer to a Hugging Face tokenizer.json")
-  if d.name == "text" and not d.text_key:
-    raise ConfigError("is empty.", key="data.text_key", source=where("data.text_key"),
-                      fix="set it to the JSONL field that holds each document (usually 'text')")
-
-
-def _check_workdir(config: ml_collections.ConfigDict, source: Source) -> None:
-  """The workdir must be a directory or creatable as one; it is made later, by the run."""
-  if not config.workdir:
-    return
-  existing = os.path.abspath(config.workdir)
-  while not os.path.exists(existing):  # The nearest part of the path that exists.
-    existing = os.path.dirname(existing)
-  where = source_of(source, "workdir")
-  if not os.path.isdir(existing):
-    inside = "" if existing == os.path.abspath(config.workdir) else f", and {config.workdir} would be inside it"
-    raise ConfigError(f"{existing} is a file, not a directory{inside}.", key="workdir", source=where,
-                      fix="name a directory for the run's checkpoints, metrics and config (it is created "
-                          "if missing)")
-  if not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f"the directory {existing} is not writable by this user.", key="workdir", source=where,
-                      fix="name a directory you can write to")
-
-
-def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
-             source: Source = "the config") -> None:
-  """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
-
-  Args:
-    config: a config tree with exactly the keys of base_config().
-    num_devices: when given, the mesh and the batch are checked against this many devices.
-    source: where values came from: one string, or {dotted key: source} with "" as the fallback.
-  """
-  check_tree(config, source)
-  values, _ = flatten(config)
-  for key, default in schema()[0].items():
-    check_value(key, values[key], default, source_of(source, key))
-  if config.mesh.data == -1 and config.mesh.fsdp == -1:
-    raise ConfigError("mesh.data and mesh.fsdp are both -1; at most one may take the devices left over.",
-                      key="mesh", source=source_of(source, "mesh.data", "mesh.fsdp"), fix="give one of them a size")
-  if config.optimizer.warmup_steps > config.train.steps:
-    raise ConfigError(f"warmup of {config.optimizer.warmup_steps} steps is longer than train.steps="
-                      f"{config.train.steps}.", key="optimizer.warmup_steps",
-                      source=source_of(source, "optimizer.warmup_steps", "train.steps"),
-                      fix=f"use optimizer.warmup_steps <= {config.train.steps}")
-  _check_precision(config, source)
-  _check_model(config, source)
-  _check_data(config, source)
-  _check_workdir(config, source)
-  if config.model.name == "mlp_lm" and config.model.context > config.train.seq_len:
-    raise ConfigError(f"context {config.model.context} is longer than train.seq_len={config.train.seq_len}.",
-                      key="model.context", source=source_of(source, "model.context", "train.seq_len"),
-                      fix=f"use model.context <= {config.train.seq_len}")
-  if num_devices is not None:
-    data, fsdp = resolve_mesh_shape(config, num_devices, source=source)
-    _check_batch(config, data * fsdp, f"the data-parallel size (mesh.data x mesh.fsdp = {data * fsdp})", source)
-  else:
-    fixed = math.prod(s for s in (config.mesh.data, config.mesh.fsdp) if s > 0)
-    _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
+__all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv",
+           "validate", "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
 
 
 def _parse_value(text: str, kind: type, key: str, source: str) -> Any:
@@ -227,12 +60,14 @@ def _parse_value(text: str, kind: type, key: str, source: str) -> Any:
       return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
     return kind(ast.literal_eval(text))
   except (KeyError, ValueError, SyntaxError, TypeError):
+    fix = "use true or false" if kind is bool else f"give {type_name(kind)}"
     raise ConfigError(f"cannot parse {text!r} as {type_name(kind)}.", key=key, source=source,
-                      fix="use true or false" if kind is bool else f"give {type_name(kind)}") from None
+                      fix=fix) from None
 
 
-def apply_override(config: ml_collections.ConfigDict, override: str, origins: dict[str, str] | None = None) -> None:
-  """Sets one `a.b=value` override (a `--config.` or `config.` prefix is allowed) on an unlocked config."""
+def apply_override(config: ml_collections.ConfigDict, override: str,
+                   origins: dict[str, str] | None = None) -> None:
+  """Sets one `a.b=value` override on an unlocked config; `--config.` or `config.` may lead."""
   text = override.strip()
   for prefix in ("--config.", "config."):
     text = text[len(prefix):] if text.startswith(prefix) else text
@@ -258,6 +93,9 @@ def apply_override(config: ml_collections.ConfigDict, override: str, origins: di
     origins[key] = source
 
 
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
 def _describe_failure(exc: BaseException, path: str) -> ConfigError:
   """Turns an exception raised by a config file into a ConfigError naming the file line and key."""
   line, code = getattr(exc, "lineno", None), (getattr(exc, "text", None) or "").strip()
@@ -266,10 +104,12 @@ def _describe_failure(exc: BaseException, path: str) -> ConfigError:
       line, code = frame.lineno, (frame.line or "").strip()
   where = f"{path}, line {line}" + (f": {code}" if code else "") if line else path
   inner: Any = exc
-  while isinstance(inner, BaseException) and inner.args:  # ml_collections wraps KeyErrors in AttributeErrors.
+  # ml_collections wraps KeyErrors in AttributeErrors.
+  while isinstance(inner, BaseException) and inner.args:
     inner = inner.args[0]
   message = str(inner)
-  field = re.search(r"field '(\w+)'.*?(\S+) is of original type <class '([\w.]+)'>.*?type <class '([\w.]+)'>", message)
+  field = re.search(r"field '(\w+)'.*?(\S+) is of original type <class '([\w.]+)'>"
+                    r".*?type <class '([\w.]+)'>", message)
   missing = (re.search(r'Key "(\w+)" does not exist and cannot be added', message)
              or re.match(r"'(\w+)'(\nDid you mean|$)", message))
   name = (field or missing).group(1) if field or missing else None
@@ -284,27 +124,29 @@ def _describe_failure(exc: BaseException, path: str) -> ConfigError:
     if want == "ConfigDict":
       return group_error(key, where)
     fix = "write the number without quotes" if got == "str" and want in ("int", "float") else (
-        f"assign {type_name({'int': int, 'float': float, 'bool': bool, 'str': str}.get(want, object))}")
+        f"assign {type_name(_TYPES.get(want, object))}")
     shown = repr(field.group(2)) if got == "str" else field.group(2)
     return ConfigError(f"the file assigns {got} {shown}, but this key takes {want}.",
                        key=key, source=where, fix=fix)
   first = message.splitlines()[0][:300] if message else ""
-  return ConfigError(f"running the config file failed: {type(exc).__name__}: {first}", source=where,
-                     fix="fix the file so that get_config() runs")
+  return ConfigError(f"running the config file failed: {type(exc).__name__}: {first}",
+                     source=where, fix="fix the file so that get_config() runs")
 
 
 def _not_python(path: str) -> ConfigError:
-  """A config file that is not Python; for a DeepSpeed JSON, where each of its settings lives here."""
-  problem = (f"{path} is not a Python file; a zerojax config is a .py file whose get_config() returns "
-             "an ml_collections.ConfigDict (e.g. configs/tiny.py).")
-  fix = "copy its values into such a file, or start from configs/tiny.py and pass --config.a.b=value"
+  """A config file that is not Python; for a DeepSpeed JSON, the zerojax key of each setting."""
+  problem = (f"{path} is not a Python file; a zerojax config is a .py file whose get_config() "
+             "returns an ml_collections.ConfigDict (e.g. configs/tiny.py).")
+  fix = ("copy its values into such a file, or start from configs/tiny.py and pass "
+         "--config.a.b=value")
   try:
     with open(path, encoding="utf-8") as f:
       tree = json.load(f)
   except (OSError, ValueError):
     tree = None
   if isinstance(tree, dict) and tree:
-    problem += " It parses as JSON (a DeepSpeed config?); its settings are these keys here:\n    "
+    problem += (" It parses as JSON (a DeepSpeed config?); its settings are these keys here:"
+                "\n    ")
     problem += deepspeed_keys(tree)
   return ConfigError(problem, source="--config", fix=fix)
 
@@ -312,13 +154,15 @@ def _not_python(path: str) -> ConfigError:
 def _run_file(spec: str) -> tuple[ml_collections.ConfigDict, str]:
   """Runs `get_config()` (or `get_config(arg)` for `file.py:arg`) from a config file."""
   match = re.match(r"^(.*?\.py):(.*)$", spec)
-  path, arg = (match.group(1), match.group(2)) if match and not os.path.isfile(spec) else (spec, None)
+  path, arg = ((match.group(1), match.group(2)) if match and not os.path.isfile(spec)
+               else (spec, None))
   if not os.path.isfile(path):
     folder = os.path.dirname(path) or "."
-    near = difflib.get_close_matches(os.path.basename(path), os.listdir(folder), n=3) if os.path.isdir(folder) else []
-    raise ConfigError(f"config file {path} does not exist.", source="--config",
-                      fix="did you mean " + ", ".join(os.path.join(folder, n) for n in near) + "?" if near
-                      else "pass the path of a Python file with get_config(), e.g. --config configs/tiny.py")
+    near = (difflib.get_close_matches(os.path.basename(path), os.listdir(folder), n=3)
+            if os.path.isdir(folder) else [])
+    fix = ("did you mean " + ", ".join(os.path.join(folder, n) for n in near) + "?" if near
+           else "pass the path of a Python file with get_config(), e.g. --config configs/tiny.py")
+    raise ConfigError(f"config file {path} does not exist.", source="--config", fix=fix)
   if not path.endswith(".py"):
     raise _not_python(path)
   try:
@@ -328,25 +172,28 @@ def _run_file(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
       raise ConfigError("the file has no get_config() function.", source=path,
-                        fix="define get_config() that starts from zerojax.config.base_config() and returns it")
+                        fix="define get_config() that starts from zerojax.config.base_config() "
+                            "and returns it")
     params = inspect.signature(get_config).parameters
     if arg is not None and not params:
-      raise ConfigError(f"the file was given the argument {arg!r} (file.py:arg) but get_config() takes none.",
-                        source=path, fix=f"drop ':{arg}' or define get_config(arg)")
+      raise ConfigError(f"the file was given the argument {arg!r} (file.py:arg) but "
+                        "get_config() takes none.", source=path,
+                        fix=f"drop ':{arg}' or define get_config(arg)")
     config = get_config(arg) if arg is not None else get_config()
   except ConfigError:
     raise
   except Exception as exc:  # Anything the file raises is a config mistake, not a zerojax crash.
     raise _describe_failure(exc, path) from None
   if not isinstance(config, ml_collections.ConfigDict):
-    raise ConfigError(f"get_config() returned {type(config).__name__}, not an ml_collections.ConfigDict.",
-                      source=path, fix="start from zerojax.config.base_config() and return it")
+    raise ConfigError(f"get_config() returned {type(config).__name__}, not an "
+                      "ml_collections.ConfigDict.", source=path,
+                      fix="start from zerojax.config.base_config() and return it")
   return config, path
 
 
 def load_config(path: str, overrides: Sequence[str] = (), *,
                 num_devices: int | None = None) -> ml_collections.ConfigDict:
-  """Loads a config file, applies `--config.a.b=value` overrides, validates, and returns it locked.
+  """Loads a config file, applies `--config.a.b=value` overrides, validates, returns it locked.
 
   Args:
     path: a Python file with get_config(); `file.py:arg` passes `arg` to get_config(arg).
@@ -359,7 +206,8 @@ def load_config(path: str, overrides: Sequence[str] = (), *,
   config, file_source = _run_file(path)
   check_tree(config, file_source)
   schema_leaves, _ = schema()
-  for key, default in schema_leaves.items():  # A replaced group may hold ints in float fields; unify.
+  # A replaced group may hold ints in float fields; unify.
+  for key, default in schema_leaves.items():
     parent, name = parent_of(config, key)
     if type(default) is float and type(parent[name]) is int:
       parent[name] = float(parent[name])
@@ -371,10 +219,12 @@ def load_config(path: str, overrides: Sequence[str] = (), *,
   return config
 
 
-def parse_argv(argv: Sequence[str], *, default: str | None = None) -> tuple[str, list[str], list[str]]:
+def parse_argv(argv: Sequence[str], *,
+               default: str | None = None) -> tuple[str, list[str], list[str]]:
   """Splits CLI args into (config path, overrides, remaining args).
 
-  Understands `--config PATH`, `--config=PATH`, `--config.a.b=v` and `--config.a.b v`; stops at `--`.
+  Understands `--config PATH`, `--config=PATH`, `--config.a.b=v` and `--config.a.b v`; stops
+  at `--`.
 
   Raises:
     ConfigError: no --config (and no default), two of them, or an override without a value.
@@ -391,14 +241,18 @@ def parse_argv(argv: Sequence[str], *, default: str | None = None) -> tuple[str,
       name, sep, value = arg.partition("=")
       if not sep:
         if i + 1 >= len(args) or args[i + 1].startswith("--"):
-          raise ConfigError(f"{name} has no value.", key=name[len("--config."):] or None, source="the command line",
-                            fix=f"write {name}=VALUE" if name != "--config" else "write --config path/to/config.py")
+          fix = (f"write {name}=VALUE" if name != "--config"
+                 else "write --config path/to/config.py")
+          raise ConfigError(f"{name} has no value.", key=name[len("--config."):] or None,
+                            source="the command line", fix=fix)
         value = args[i + 1]
         i += 1
       if name == "--config":
         if path is not None:
-          raise ConfigError(f"--config was given twice ({path} and {value}).", source="the command line",
-                            fix="pass one config file; change single values with --config.a.b=value")
+          raise ConfigError(f"--config was given twice ({path} and {value}).",
+                            source="the command line",
+                            fix="pass one config file; change single values with "
+                                "--config.a.b=value")
         path = value
       else:
         overrides.append(f"{name[len('--config.'):]}={value}")
@@ -480,21 +334,25 @@ def exit_on_config_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @exit_on_config_error
 def main(argv: Sequence[str] | None = None) -> int:
-  """Prints the resolved config: python -m zerojax.config --config F [--config.a.b=v ...] [--num_devices N]."""
+  """Prints the resolved config of --config F [--config.a.b=v ...] [--num_devices N]."""
   path, overrides, rest = parse_argv(sys.argv[1:] if argv is None else argv, default="")
   parser = ArgumentParser(prog="python -m zerojax.config", description=main.__doc__)
-  parser.add_argument("--num_devices", type=int, help="check the mesh and batch against this many devices")
-  parser.add_argument("--keys", action="store_true", help="print every config key: default, choices, help")
+  parser.add_argument("--num_devices", type=int,
+                      help="check the mesh and batch against this many devices")
+  parser.add_argument("--keys", action="store_true",
+                      help="print every config key: default, choices, help")
   args = parser.parse_args(rest)  # --help, and unknown arguments exit here (status 2).
   if args.keys:
     print(describe())
     return 0
   if not path:
-    raise ConfigError("no config file given.", source="the command line", fix="pass --config configs/tiny.py")
+    raise ConfigError("no config file given.", source="the command line",
+                      fix="pass --config configs/tiny.py")
   config = load_config(path, overrides, num_devices=args.num_devices)
   print(config, end="")
   if args.num_devices is not None:
-    print(f"# mesh (data, fsdp) on {args.num_devices} devices: {resolve_mesh_shape(config, args.num_devices)}")
+    shape = resolve_mesh_shape(config, args.num_devices)
+    print(f"# mesh (data, fsdp) on {args.num_devices} devices: {shape}")
   return 0
 
 

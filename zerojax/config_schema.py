@@ -30,16 +30,19 @@ _FP16 = f"{_PRECISION}; float16 turns on dynamic loss scaling, tuned under preci
 _ALIASES = {
     "bf16": _PRECISION, "bfloat16": _PRECISION, "amp": _PRECISION, "dtype": _PRECISION,
     "mixed_precision": _PRECISION, "fp16": _FP16, "float16": _FP16,
-    "zero_optimization": "the ZeRO stage is zero.stage (0-3)", "zero_stage": "the ZeRO stage is zero.stage (0-3)",
+    "zero_optimization": "the ZeRO stage is zero.stage (0-3)",
+    "zero_stage": "the ZeRO stage is zero.stage (0-3)",
     "zero_optimization.stage3_param_persistence_threshold": "use zero.min_shard_size",
     "train_batch_size": "use train.global_batch_size", "batch_size": "use train.global_batch_size",
     "gradient_accumulation_steps": "use train.microbatches",
-    "train_micro_batch_size_per_gpu": "set train.global_batch_size and train.microbatches; the per-device "
-                                      "microbatch is global_batch_size / (devices * microbatches)",
+    "train_micro_batch_size_per_gpu": "set train.global_batch_size and train.microbatches; the "
+                                      "per-device microbatch is global_batch_size / (devices * "
+                                      "microbatches)",
     "gradient_clipping": "use optimizer.grad_clip", "max_grad_norm": "use optimizer.grad_clip",
     "lr": "use optimizer.learning_rate", "warmup": "use optimizer.warmup_steps",
-    "steps": "use train.steps", "max_steps": "use train.steps", "num_train_steps": "use train.steps",
-    "train_steps": "use train.steps", "total_steps": "use train.steps",
+    "steps": "use train.steps", "max_steps": "use train.steps",
+    "num_train_steps": "use train.steps", "train_steps": "use train.steps",
+    "total_steps": "use train.steps",
     # Nested DeepSpeed JSON keys (a ds_config.json passed as --config lists these).
     "zero_optimization.stage": "use zero.stage", "steps_per_print": "use train.log_every",
     "fp16.enabled": _FP16, "bf16.enabled": _PRECISION,
@@ -48,22 +51,27 @@ _ALIASES = {
     "fp16.hysteresis": "use precision.loss_scale.hysteresis",
     "fp16.min_loss_scale": "use precision.loss_scale.min_scale",
     "fp16.loss_scale": "precision.loss_scale.* is always dynamic (DeepSpeed's loss_scale 0)",
-    "optimizer.type": "use optimizer.name (adamw | lion | sgd)", "betas": "use optimizer.b1, optimizer.b2",
+    "optimizer.type": "use optimizer.name (adamw | lion | sgd)",
+    "betas": "use optimizer.b1, optimizer.b2",
     "eps": "use optimizer.eps", "weight_decay": "use optimizer.weight_decay",
     "scheduler.type": "use optimizer.schedule (constant | cosine | linear)",
     "warmup_num_steps": "use optimizer.warmup_steps", "total_num_steps": "use train.steps",
 }
 _DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat": "bfloat16", "fp32": "float32", "f32": "float32",
-                  "float": "float32", "single": "float32", "fp16": "float16", "f16": "float16", "half": "float16"}
-_ENUM_HINTS = {("optimizer.name", "adam"): "plain Adam is adamw with optimizer.weight_decay=0",
-               ("zero.stage", 4): "ZeRO has stages 0-3 (3 shards parameters, gradients and optimizer state)"}
+                  "float": "float32", "single": "float32", "fp16": "float16", "f16": "float16",
+                  "half": "float16"}
+_ENUM_HINTS = {
+    ("optimizer.name", "adam"): "plain Adam is adamw with optimizer.weight_decay=0",
+    ("zero.stage", 4): "ZeRO has stages 0-3 (3 shards parameters, gradients and optimizer state)",
+}
 Source = str | Mapping[str, str]
 
 
 class ConfigError(ValueError):
-  """A config mistake, explained for a person: the key, where it came from, what is wrong, the fix."""
+  """A config mistake, explained for a person: the key, its source, what is wrong, the fix."""
 
-  def __init__(self, problem: str, *, key: str | None = None, source: str | None = None, fix: str | None = None):
+  def __init__(self, problem: str, *, key: str | None = None, source: str | None = None,
+               fix: str | None = None):
     self.problem, self.key, self.source, self.fix = problem, key, source, fix
     head = f"config key {key}" if key else "config"
     message = f"{head} (from {source}): {problem}" if source else f"{head}: {problem}"
@@ -97,8 +105,9 @@ def parent_of(config: ml_collections.ConfigDict, key: str) -> tuple[ml_collectio
 
 
 def group_error(key: str, source: str) -> ConfigError:
+  members = ", ".join(k for k in schema()[0] if k.startswith(key + "."))
   return ConfigError("is a group of settings, not a value.", key=key, source=source,
-                     fix="set one of " + ", ".join(k for k in schema()[0] if k.startswith(key + ".")))
+                     fix=f"set one of {members}")
 
 
 def source_of(source: Source, *keys: str) -> str:
@@ -109,7 +118,10 @@ def source_of(source: Source, *keys: str) -> str:
 
 
 def closest(key: str, candidates: Sequence[str]) -> list[str]:
-  """The valid keys nearest to `key`: by whole dotted path, then by last component (seeed -> seed)."""
+  """The valid keys nearest to `key`: by whole dotted path, then by last component.
+
+  The last component finds `seed` for `seeed`, which the whole path is too long to match.
+  """
   found = difflib.get_close_matches(key, candidates, n=3, cutoff=0.6)
   by_last: dict[str, list[str]] = {}
   for path in candidates:
@@ -147,8 +159,10 @@ def unknown_key(key: str, source: str) -> ConfigError:
   if hint:
     return ConfigError(problem, key=key, source=source, fix=hint)
   if near:
-    return ConfigError(problem, key=key, source=source, fix="did you mean " + " or ".join(near) + "?")
-  return ConfigError(problem, key=key, source=source, fix="python -m zerojax.config --keys lists every valid key")
+    return ConfigError(problem, key=key, source=source,
+                       fix="did you mean " + " or ".join(near) + "?")
+  return ConfigError(problem, key=key, source=source,
+                     fix="python -m zerojax.config --keys lists every valid key")
 
 
 def check_tree(config: ml_collections.ConfigDict, source: Source) -> None:
@@ -158,22 +172,26 @@ def check_tree(config: ml_collections.ConfigDict, source: Source) -> None:
   for key in groups:
     if key in schema_leaves:
       raise ConfigError("is a single value in the schema, but was set to a group of keys.", key=key,
-                        source=source_of(source, key), fix=f"assign a value, e.g. {key} = {schema_leaves[key]!r}")
+                        source=source_of(source, key),
+                        fix=f"assign a value, e.g. {key} = {schema_leaves[key]!r}")
   for key in leaves:
     if key in schema_groups:
       raise group_error(key, source_of(source, key))
-  # Leaves first so that `c.bfloat16 = ConfigDict({"enabled": True})` is reported as bfloat16.enabled.
+  # Leaves first so that `c.bfloat16 = ConfigDict({"enabled": True})` is reported as
+  # bfloat16.enabled.
   for key in list(leaves) + sorted(groups):
     if key not in schema_leaves and key not in schema_groups:
       raise unknown_key(key, source_of(source, key))
   for key in schema_leaves:
     if key not in leaves:
-      raise ConfigError("is missing: the config deleted or replaced it.", key=key, source=source_of(source, key),
+      raise ConfigError("is missing: the config deleted or replaced it.", key=key,
+                        source=source_of(source, key),
                         fix="keep every key from base_config(); change values, do not delete keys")
 
 
 def type_name(kind: type) -> str:
-  return {bool: "a bool (True/False)", int: "an int", float: "a number", str: "a string"}.get(kind, kind.__name__)
+  names = {bool: "a bool (True/False)", int: "an int", float: "a number", str: "a string"}
+  return names.get(kind, kind.__name__)
 
 
 def check_value(key: str, value: Any, default: Any, source: str) -> None:
@@ -194,16 +212,18 @@ def check_value(key: str, value: Any, default: Any, source: str) -> None:
   if field.choices and value not in field.choices:
     allowed = ", ".join(map(repr, field.choices))
     if key.startswith("precision.") or key == "optimizer.state_dtype":
-      canonical = _DTYPE_ALIASES.get(re.sub(r"^(jnp|np|torch|jax\.numpy|numpy)\.", "", value.lower()), value.lower())
+      bare = re.sub(r"^(jnp|np|torch|jax\.numpy|numpy)\.", "", value.lower())
+      canonical = _DTYPE_ALIASES.get(bare, value.lower())
       if canonical == "float16" and key == "optimizer.state_dtype":
         raise ConfigError(f"is {value!r}, but float16 moments underflow (Adam's nu holds squared "
                           "gradients).", key=key, source=source,
                           fix="use bfloat16 (the default) or float32")
       if canonical == "float16":
-        raise ConfigError(f"is {value!r}, but {_FLOAT16[0]}.", key=key, source=source, fix=_FLOAT16[1])
+        raise ConfigError(f"is {value!r}, but {_FLOAT16[0]}.", key=key, source=source,
+                          fix=_FLOAT16[1])
       if canonical in DTYPES:
-        raise ConfigError(f"{value!r} is not a dtype name here; use one of {allowed}.", key=key, source=source,
-                          fix=f"write {key} = {canonical!r}")
+        raise ConfigError(f"{value!r} is not a dtype name here; use one of {allowed}.", key=key,
+                          source=source, fix=f"write {key} = {canonical!r}")
     hint = _ENUM_HINTS.get((key, value))
     near = difflib.get_close_matches(str(value), [str(a) for a in field.choices], n=1, cutoff=0.5)
     fix = hint or (f"did you mean {near[0]!r}?" if near else f"use one of {allowed}")

@@ -39,7 +39,8 @@ import numpy as np
 # tests are huge and full of odd literals, idlelib is an application, and encodings
 # is ~1.4 MB of generated codec tables that would otherwise fill the held-out tail
 # of a 4 MiB corpus and make the eval loss meaninglessly low.
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings", "__pycache__"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings",
+              "__pycache__"}
 _BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Token ids are scanned this many at a time, so checking a 100 GB file needs 64 MiB.
 _SCAN_CHUNK = 1 << 24
@@ -96,10 +97,12 @@ def _check_file(path: str, key: str) -> int:
   """The size of `path` in bytes, or a DataError if it is missing, a directory or empty."""
   if os.path.isdir(path):
     raise DataError("is a directory, not a file", path=path, key=key,
-                    fix=f"set {key} to a file in it (one file per key; concatenate shards into one)")
+                    fix=f"set {key} to a file in it (one file per key; concatenate shards into "
+                        "one)")
   if not os.path.isfile(path):
     raise DataError("no such file", path=path, key=key,
-                    fix=f"set {key} to an existing file (relative paths start at the working directory)")
+                    fix=f"set {key} to an existing file (relative paths start at the working "
+                        "directory)")
   size = os.path.getsize(path)
   if size == 0:
     raise DataError("the file is empty", path=path, key=key,
@@ -136,8 +139,8 @@ def check_unchanged(tokens: np.ndarray) -> None:
             "rewritten in place, same size")
     raise DataError(f"changed while training ({what}); training reads it through a memory map, so "
                     "it must stay as it was until the run ends", path=path, key=key,
-                    fix=f"write new data to a new file and point {key} at it; the same command then "
-                        "resumes from the last checkpoint")
+                    fix=f"write new data to a new file and point {key} at it; the same command "
+                        "then resumes from the last checkpoint")
 
 
 def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path") -> np.ndarray:
@@ -154,16 +157,16 @@ def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path")
   if ext == ".bin":
     itemsize = np.dtype(_BIN_DTYPES[dtype]).itemsize
     if size % itemsize:
-      raise DataError(f"{size} bytes is not a whole number of {dtype} ids ({itemsize} bytes each): the "
-                      "file holds another dtype or is truncated", path=path, key=key,
+      raise DataError(f"{size} bytes is not a whole number of {dtype} ids ({itemsize} bytes "
+                      "each): the file holds another dtype or is truncated", path=path, key=key,
                       fix="set data.dtype to the dtype the file was written with (uint16 | uint32)")
     tokens = np.memmap(path, dtype=_BIN_DTYPES[dtype], mode="r")
     # uint32 ids read as uint16 are all below the vocabulary, so the id scan misses them;
     # their little-endian high halves, though, are zeros at every odd position.
     head = np.asarray(tokens[:1 << 20])
     if dtype == "uint16" and len(head) >= 32 and not head[1::2].any() and head[0::2].any():
-      raise DataError("every second uint16 id is 0: this looks like uint32 data", path=path, key=key,
-                      fix="set data.dtype='uint32'")
+      raise DataError("every second uint16 id is 0: this looks like uint32 data", path=path,
+                      key=key, fix="set data.dtype='uint32'")
     return _watch(tokens, key)
   if ext == ".npy":
     try:
@@ -175,8 +178,8 @@ def read_token_file(path: str, dtype: str = "uint16", *, key: str = "data.path")
       raise DataError(f"holds {tokens.dtype} values, not integer token ids", path=path, key=key,
                       fix="save the ids as integers, e.g. np.save(path, ids.astype(np.uint32))")
     if tokens.ndim != 1:
-      raise DataError(f"holds an array of shape {tokens.shape}, not a flat sequence of ids", path=path,
-                      key=key, fix="save it flat: np.save(path, ids.reshape(-1))")
+      raise DataError(f"holds an array of shape {tokens.shape}, not a flat sequence of ids",
+                      path=path, key=key, fix="save it flat: np.save(path, ids.reshape(-1))")
     if tokens.size == 0:
       raise DataError("holds no tokens", path=path, key=key, fix="regenerate it")
     return _watch(tokens, key)
@@ -199,8 +202,8 @@ def check_ids(tokens: np.ndarray, vocab_size: int, *, path: str, key: str | None
     chunk = np.asarray(tokens[start:start + _SCAN_CHUNK])
     if info.min < 0 and chunk.min() < 0:
       at = start + int(np.argmax(chunk < 0))
-      raise DataError(f"token id {int(tokens[at])} at position {at} is negative", path=path, key=key,
-                      fix="write ids as unsigned integers from the tokenizer")
+      raise DataError(f"token id {int(tokens[at])} at position {at} is negative", path=path,
+                      key=key, fix="write ids as unsigned integers from the tokenizer")
     largest = max(largest, int(chunk.max()))
     if first is None and largest >= vocab_size:
       first = start + int(np.argmax(chunk >= vocab_size))
@@ -209,8 +212,8 @@ def check_ids(tokens: np.ndarray, vocab_size: int, *, path: str, key: str | None
     if tokens.dtype == np.uint32 and os.path.splitext(path)[1] == ".bin" and largest >= 1 << 16:
       # Two uint16 ids read as one uint32 make an id this large: the dtype is the likelier fault.
       fix = f"set data.dtype='uint16' if the file was written as uint16; else {fix}"
-    raise DataError(f"token ids reach {largest}, but model.vocab_size is {vocab_size} (first id out "
-                    f"of range at position {first})", path=path, key=key, fix=fix)
+    raise DataError(f"token ids reach {largest}, but model.vocab_size is {vocab_size} (first id "
+                    f"out of range at position {first})", path=path, key=key, fix=fix)
 
 
 def load_tokenizer(path: str, vocab_size: int) -> Any:
@@ -230,11 +233,13 @@ def load_tokenizer(path: str, vocab_size: int) -> Any:
     tokenizer = Tokenizer.from_file(path)
   except Exception as e:  # The Rust side raises a bare Exception for every kind of failure.
     raise DataError(f"not a Hugging Face tokenizer.json ({e})", path=path, key="data.tokenizer",
-                    fix="pass the tokenizer.json that tokenizers' save() or save_pretrained() writes") from None
+                    fix="pass the tokenizer.json that tokenizers' save() or save_pretrained() "
+                        "writes") from None
   n = tokenizer.get_vocab_size(with_added_tokens=True)
   if n > vocab_size:
-    raise DataError(f"the tokenizer has {n} ids, more than model.vocab_size={vocab_size}", path=path,
-                    key="data.tokenizer", fix=f"use model.vocab_size >= {n} (often rounded up to a multiple of 128)")
+    raise DataError(f"the tokenizer has {n} ids, more than model.vocab_size={vocab_size}",
+                    path=path, key="data.tokenizer",
+                    fix=f"use model.vocab_size >= {n} (often rounded up to a multiple of 128)")
   return tokenizer
 
 
@@ -250,8 +255,9 @@ def eos_token_id(tokenizer: Any, path: str, eos_id: int = -1) -> int:
   n = tokenizer.get_vocab_size(with_added_tokens=True)
   if eos_id >= 0:
     if eos_id >= n:
-      raise DataError(f"data.eos_id={eos_id} is not an id of this tokenizer ({n} ids)", path=path,
-                      key="data.tokenizer", fix=f"use an id below {n}, or -1 for the tokenizer's own")
+      raise DataError(f"data.eos_id={eos_id} is not an id of this tokenizer ({n} ids)",
+                      path=path, key="data.tokenizer",
+                      fix=f"use an id below {n}, or -1 for the tokenizer's own")
     return eos_id
   names = []
   config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
@@ -265,8 +271,9 @@ def eos_token_id(tokenizer: Any, path: str, eos_id: int = -1) -> int:
   for name in names + list(_EOS_TOKENS):
     if isinstance(name, str) and tokenizer.token_to_id(name) is not None:
       return tokenizer.token_to_id(name)
-  raise DataError("the tokenizer has no end-of-sequence token zerojax knows (tokenizer_config.json's "
-                  f"eos_token, or one of {', '.join(_EOS_TOKENS)})", path=path, key="data.tokenizer",
+  raise DataError("the tokenizer has no end-of-sequence token zerojax knows "
+                  f"(tokenizer_config.json's eos_token, or one of {', '.join(_EOS_TOKENS)})",
+                  path=path, key="data.tokenizer",
                   fix="set data.eos_id to the id that separates documents")
 
 
@@ -274,11 +281,12 @@ def _documents(path: str, key: str, text_key: str) -> Iterator[str]:
   """The documents of a .txt (the whole file) or .jsonl (one object per line) file."""
   ext = os.path.splitext(path)[1].lower()
   if ext not in (".txt", ".jsonl"):
-    raise DataError(f"has extension {ext or '(none)'!r}; data.name='text' reads .txt (one document) and "
-                    ".jsonl (one JSON object per line)", path=path, key=key,
+    raise DataError(f"has extension {ext or '(none)'!r}; data.name='text' reads .txt (one "
+                    "document) and .jsonl (one JSON object per line)", path=path, key=key,
                     fix="convert it, or use data.name='tokens' for .bin / .npy token ids")
   try:
-    with open(path, encoding="utf-8", newline="") as f:  # Keep \r\n as written: the text is the data.
+    # newline="": keep \r\n as written, the text is the data.
+    with open(path, encoding="utf-8", newline="") as f:
       if ext == ".txt":
         yield f.read()
         return
@@ -291,12 +299,15 @@ def _documents(path: str, key: str, text_key: str) -> Iterator[str]:
           raise DataError(f"line {number} is not JSON ({e})", path=path, key=key,
                           fix="write one JSON object per line (JSON Lines)") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-          found = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
-          raise DataError(f"line {number} has no string field {text_key!r} (found: {found or 'nothing'})",
-                          path=path, key=key, fix="set data.text_key to the field that holds the text")
+          found = (", ".join(map(repr, record)) if isinstance(record, dict)
+                   else type(record).__name__)
+          raise DataError(f"line {number} has no string field {text_key!r} (found: "
+                          f"{found or 'nothing'})", path=path, key=key,
+                          fix="set data.text_key to the field that holds the text")
         yield record[text_key]
   except UnicodeDecodeError as e:
-    raise DataError(f"is not UTF-8 text ({e})", path=path, key=key, fix="re-encode it as UTF-8") from None
+    raise DataError(f"is not UTF-8 text ({e})", path=path, key=key,
+                    fix="re-encode it as UTF-8") from None
 
 
 def tokenize_file(path: str, tokenizer: Any, eos_id: int, text_key: str = "text", *,
@@ -336,7 +347,8 @@ def tokenize_file(path: str, tokenizer: Any, eos_id: int, text_key: str = "text"
   flush()
   tokens = np.concatenate(pieces)
   if not len(tokens):
-    raise DataError("holds no text to train on", path=path, key=key, fix="check the file's contents")
+    raise DataError("holds no text to train on", path=path, key=key,
+                    fix="check the file's contents")
   if cache:
     os.makedirs(cache_dir, exist_ok=True)
     # Every process (on every host) may write at once: each to its own unique temporary
@@ -395,11 +407,13 @@ def load_tokens(config_data: Any, vocab_size: int, seq_len: int, *,
       eval_where = f"{d.path} (its last data.eval_fraction={d.eval_fraction})"
   else:
     raise DataError(f"unknown data.name {d.name!r}", fix="use stdlib, tokens or text")
-  for tokens, where, split_name in ((train, train_where, "train"), (held_out, eval_where, "held-out")):
+  splits = ((train, train_where, "train"), (held_out, eval_where, "held-out"))
+  for tokens, where, split_name in splits:
     if len(tokens) < seq_len + 1:
-      raise DataError(f"the {split_name} split has {len(tokens)} tokens, fewer than train.seq_len + 1 = "
-                      f"{seq_len + 1}", path=where, fix="use more data or a shorter train.seq_len"
-                      + ("" if d.eval_path or split_name == "train" else ", or a larger data.eval_fraction"))
+      more = "" if d.eval_path or split_name == "train" else ", or a larger data.eval_fraction"
+      raise DataError(f"the {split_name} split has {len(tokens)} tokens, fewer than "
+                      f"train.seq_len + 1 = {seq_len + 1}", path=where,
+                      fix=f"use more data or a shorter train.seq_len{more}")
   return train, held_out
 
 
@@ -446,7 +460,8 @@ def rows_for(batch_size: int, process_index: int, process_count: int) -> slice:
     ValueError: if the batch does not split evenly over the processes.
   """
   if batch_size % process_count:
-    raise ValueError(f"a global batch of {batch_size} cannot be split over {process_count} processes")
+    raise ValueError(f"a global batch of {batch_size} cannot be split over {process_count} "
+                     "processes")
   per = batch_size // process_count
   return slice(process_index * per, (process_index + 1) * per)
 

@@ -8,12 +8,15 @@ not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
 | --- | --- | --- |
 | 0 | `DONE` | finished (or already finished); a dry run that compiled |
 | 1 | — | an unexpected error (a bug): Python's traceback |
-| 2 | `BAD_INPUT` | config, command line, data, checkpoint or Hugging Face folder unusable; the workdir is locked by another run; the step does not fit the host's memory |
+| 2 | `BAD_INPUT` | unusable input: config, command line, data, checkpoint, HF folder (a) |
 | 3 | `NON_FINITE` | `precision.max_consecutive_skips` non-finite steps in a row |
 | 4 | `INIT_FAILED` | the processes of a multi-host run did not all join in time |
 | 5 | `PEER_LOST` | another process of the run died or a collective failed |
 | 6 | `SAVE_FAILED` | a checkpoint could not be written (disk full, permission) |
-| 75 | `STOPPED` | saved and stopped before the last step (SIGTERM, Ctrl-C, `--stop_after`); the same command resumes (75 is sysexits' EX_TEMPFAIL: "try again") |
+| 75 | `STOPPED` | saved and stopped before the last step (b); the same command resumes |
+
+(a) Also: the workdir is locked by another run; the step does not fit the host's memory.
+(b) SIGTERM, Ctrl-C or `--stop_after`. 75 is sysexits' EX_TEMPFAIL: "try again".
 """
 
 DONE = 0

@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from zerojax import exits
-from zerojax.units import parse_bytes
 from zerojax.models.safetensors_file import HFError
+from zerojax.units import parse_bytes
 
 
 def export_checkpoint(workdir: str, out: str, *, step: int | None = None,

@@ -1,6 +1,6 @@
 """Starts N processes of one command on this machine, as a multi-host run would.
 
-    python -m zerojax.launch --nproc 2 --devices_per_process 4 -- python train.py --config configs/tiny.py
+    python -m zerojax.launch --nproc 2 --devices_per_process 4 -- python train.py
 
 Each process gets `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, `ZEROJAX_NUM_PROCESSES`
 and `ZEROJAX_PROCESS_ID` (what `zerojax.distributed` reads); `--devices_per_process M`
@@ -162,7 +162,8 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(prog="python -m zerojax.launch", description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(prog="python -m zerojax.launch",
+                                   description=__doc__.split("\n")[0])
   parser.add_argument("--nproc", type=int, required=True, help="processes to start")
   parser.add_argument("--devices_per_process", type=int, default=0,
                       help="fake CPU devices per process (0: leave the platform alone)")

@@ -14,8 +14,15 @@ import shutil
 import sys
 import tempfile
 
-from zerojax.memory import (DTYPE_BYTES, Estimate, RunSpec, Suggestion, attribute, estimate,
-                            suggestions)
+from zerojax.memory import (
+  DTYPE_BYTES,
+  Estimate,
+  RunSpec,
+  Suggestion,
+  attribute,
+  estimate,
+  suggestions,
+)
 from zerojax.units import fmt_bytes, parse_bytes
 
 
@@ -43,11 +50,11 @@ def _labels(s: RunSpec) -> dict:
   grads = {"psum_scatter_in_gather": "local shards",
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
                b.grad_reduction, "whole + fp32 params")
+  buffer_dtype = "float32" if s.update_rule == "master" else s.param_dtype
   return {
       "params": f"params ({s.param_dtype}{shard(b.shards_params)})",
       "optimizer": f"optimizer {moments} ({s.state_dtype}{shard(b.shards_opt_state)})",
-      "update buffer": f"{s.update_rule} buffer ({'float32' if s.update_rule == 'master' else s.param_dtype}"
-                       f"{shard(b.shards_opt_state)})",
+      "update buffer": f"{s.update_rule} buffer ({buffer_dtype}{shard(b.shards_opt_state)})",
       "layer gradients": f"layer gradients, stacked ({s.param_dtype})",
       "gradients": f"gradients ({s.reduce_dtype}, {grads})",
       "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",
@@ -85,9 +92,13 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
     head += f" {'compiled':>11s}  est/comp"
   lines.append(head)
   peak = e.peak_phase
-  row = lambda mark, label, est, comp=None: lines.append(
-      f"{mark} {label:44s} {fmt_bytes(est):>11s}" + (
-          "" if comp is None else f" {fmt_bytes(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")))
+
+  def row(mark, label, est, comp=None):
+    text = f"{mark} {label:44s} {fmt_bytes(est):>11s}"
+    if comp is not None:
+      text += f" {fmt_bytes(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")
+    lines.append(text)
+
   labels = _labels(s)
   for key in ("params", "optimizer", "update buffer", "batch"):
     if key in e.components:
@@ -103,7 +114,8 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
           attributed.get(key) if compiled and attributed else None)
   if compiled and attributed:
     rest = compiled["temporaries"] - sum(v for k, v in attributed.items() if k in e.components)
-    lines.append(f"  {'(compiled only: padding, other buffers)':44s} {'':>11s} {fmt_bytes(rest):>11s}")
+    label = "(compiled only: padding, other buffers)"
+    lines.append(f"  {label:44s} {'':>11s} {fmt_bytes(rest):>11s}")
   row(" ", f"= temporaries at the peak: {peak} (*)", e.phases[peak],
       compiled and compiled["temporaries"])
   row(" ", "= total per device", e.total,
@@ -165,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import (ArgumentParser, ConfigError,  # pylint: disable=import-outside-toplevel
-                              load_config, parse_argv)
+  from zerojax.config import ArgumentParser, ConfigError, load_config, parse_argv  # pylint: disable=import-outside-toplevel
   path, overrides, rest = parse_argv(argv, default="")  # So that --help works without one.
   p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
   p.add_argument("--devices", type=int, required=True, help="devices the run uses")

@@ -220,10 +220,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     ValueError: 1 - b2 is under half of `state_dtype`'s epsilon (bf16 with b2 > 0.996):
       `b2 * nu` would round back to `nu`, so nu could never decay.
   """
-  if 1 - b2 < jnp.finfo(state_dtype).eps / 2:
+  half_eps = float(jnp.finfo(state_dtype).eps) / 2
+  if 1 - b2 < half_eps:
     raise ValueError(f"b2={b2} with {jnp.dtype(state_dtype).name} moments: nu * b2 rounds back to "
-                     f"nu, so nu never decays; use b2 <= {1 - float(jnp.finfo(state_dtype).eps) / 2:.8g} "
-                     "or float32 state")
+                     f"nu, so nu never decays; use b2 <= {1 - half_eps:.8g} or float32 state")
 
   def init(params):
     zeros = lambda p: jnp.zeros(p.shape, state_dtype)

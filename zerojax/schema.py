@@ -41,7 +41,8 @@ PARAM_DTYPES = ("float32", "bfloat16", "float16")  # Params and compute; float16
 # Groups of keys, each with a line saying what it is for (in the order printed).
 GROUPS: dict[str, str] = {
     "mesh": "The device mesh: axes ('data', 'fsdp').",
-    "distributed": "Multi-host (jax.distributed); nothing set and no cluster detected = one process.",
+    "distributed": "Multi-host (jax.distributed); nothing set and no cluster detected = one "
+                   "process.",
     "zero": "What ZeRO shards.",
     "precision": "Dtypes of params, compute, reductions; non-finite steps.",
     "precision.loss_scale": "Dynamic loss scaling, used with float16 only.",
@@ -65,7 +66,8 @@ _ROWS = (
     Field("distributed.coordinator_address", "", 'host:port of process 0; "" = '
           "$JAX_COORDINATOR_ADDRESS, else SLURM / Open MPI / k8s detection."),
     Field("distributed.num_processes", 0, "Processes in the run; 0 = $ZEROJAX_NUM_PROCESSES, else "
-          "detected, else 1.", range=Range(lambda v: v >= 0, ">= 0 (0 = $ZEROJAX_NUM_PROCESSES or detected)")),
+          "detected, else 1.",
+          range=Range(lambda v: v >= 0, ">= 0 (0 = $ZEROJAX_NUM_PROCESSES or detected)")),
     Field("distributed.process_id", -1, "This process's id, 0..num_processes-1; -1 = "
           "$ZEROJAX_PROCESS_ID, else detected.",
           range=Range(lambda v: v >= -1, "an id >= 0, or -1 for $ZEROJAX_PROCESS_ID or detected")),
@@ -75,8 +77,8 @@ _ROWS = (
           "exits with status 4 and a message.", range=POSITIVE),
     Field("distributed.wait_report_every", 30, "While the processes join: seconds between lines "
           "saying what is awaited.", range=POSITIVE),
-    Field("distributed.heartbeat_timeout", 100, "Seconds without heartbeats before a process counts as "
-          "dead and JAX aborts the others.", range=POSITIVE),
+    Field("distributed.heartbeat_timeout", 100, "Seconds without heartbeats before a process "
+          "counts as dead and JAX aborts the others.", range=POSITIVE),
     Field("distributed.shutdown_timeout", 300, "Seconds a finishing process waits at exit for the "
           "others to finish too.", range=POSITIVE),
     # zero
@@ -98,7 +100,8 @@ _ROWS = (
           range=AT_LEAST_1),
     Field("precision.loss_scale.hysteresis", 2, "Overflows in a row tolerated before it halves.",
           range=AT_LEAST_1),
-    Field("precision.loss_scale.min_scale", 1.0, "The scale never goes below this.", range=POSITIVE),
+    Field("precision.loss_scale.min_scale", 1.0, "The scale never goes below this.",
+          range=POSITIVE),
     # optimizer
     Field("optimizer.name", "adamw", "The optimizer.", choices=("adamw", "lion", "sgd")),
     Field("optimizer.state_dtype", "bfloat16", "Every moment (Adam's mu and nu too).",
@@ -139,8 +142,8 @@ _ROWS = (
     Field("checkpoint.every_minutes", 0.0, "Also save once this many minutes passed since the last "
           "save; 0 = off.", range=NON_NEGATIVE),
     Field("checkpoint.keep", 3, "Keep the newest this many; 0 = all.", range=NON_NEGATIVE),
-    Field("checkpoint.keep_every", 0, "Also keep steps that are multiples of this, forever; 0 = none.",
-          range=NON_NEGATIVE),
+    Field("checkpoint.keep_every", 0, "Also keep steps that are multiples of this, forever; "
+          "0 = none.", range=NON_NEGATIVE),
     Field("checkpoint.async_save", True, "Write in the background while training goes on."),
     # model
     Field("model.name", "llama", "Model family (mlp_lm: a small scanned MLP LM, for tests).",
@@ -187,7 +190,8 @@ _ROWS = (
           "document."),
     Field("data.eos_id", -1, "text: id appended after every document; -1 = the tokenizer's "
           "end-of-sequence token.",
-          range=Range(lambda v: v >= -1, "a token id >= 0, or -1 for the tokenizer's end-of-sequence token")),
+          range=Range(lambda v: v >= -1,
+                      "a token id >= 0, or -1 for the tokenizer's end-of-sequence token")),
     Field("data.eval_fraction", 0.05, 'Share of the tokens held out for evaluation when '
           'data.eval_path is "".', range=Range(lambda v: 0 < v <= 0.5, "in (0, 0.5]")),
 )
@@ -218,5 +222,6 @@ def describe() -> str:
       if here:
         lines.append(f"\n[{here}] {GROUPS.get(here, '')}".rstrip())
     allowed = (" | ".join(map(str, f.choices)) if f.choices else f.range.text if f.range else "")
-    lines.append(f"{f.key} = {f.default!r}" + (f"  ({allowed})" if allowed else "") + f"  # {f.help}")
+    allowed = f"  ({allowed})" if allowed else ""
+    lines.append(f"{f.key} = {f.default!r}{allowed}  # {f.help}")
   return "\n".join(lines).lstrip()

@@ -6,12 +6,12 @@ one layer at a time inside its scan. The stage then only decides what is sharded
 how the gradient is reduced, and `StageBehaviour` says so in words the step, the
 planner (`zerojax.memory`) and its report all read:
 
-| stage | params     | gradient reduction (accumulated over microbatches)      | optimizer state, update |
-| ----- | ---------- | ------------------------------------------------------- | ----------------------- |
-| 0     | replicated | all-reduce once (`psum`)                                | replicated              |
-| 1     | replicated | reduce-scatter once (`psum_scatter_once`)               | sharded                 |
-| 2     | replicated | reduce-scatter each microbatch into a sharded accumulator | sharded               |
-| 3     | sharded    | reduce-scatter inside the gather's backward pass        | sharded                 |
+| stage | params     | gradient reduction (accumulated over microbatches)        | optimizer state |
+| ----- | ---------- | --------------------------------------------------------- | --------------- |
+| 0     | replicated | all-reduce once (`psum`)                                  | replicated      |
+| 1     | replicated | reduce-scatter once (`psum_scatter_once`)                 | sharded         |
+| 2     | replicated | reduce-scatter each microbatch into a sharded accumulator | sharded         |
+| 3     | sharded    | reduce-scatter inside the gather's backward pass          | sharded         |
 
 From stage 1 each device updates only its shard, so it needs only its shard of the
 summed gradient: a reduce-scatter, half an all-reduce's traffic on the wire. With one

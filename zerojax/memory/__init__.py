@@ -91,7 +91,7 @@ class RunSpec:
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
     """Raises ConfigError when the mesh does not fit `devices`."""
-    from zerojax.config import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
+    from zerojax.validate import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
     data, fsdp = resolve_mesh_shape(config, devices)
     shapes = models.from_config(config).param_shapes().values()

@@ -84,7 +84,9 @@ def read_config(folder: str) -> dict:
       raw = json.load(f)
   except (OSError, ValueError) as e:
     raise HFError(f"cannot read it: {e}", path=path) from None
-  if "LlamaForCausalLM" not in (raw.get("architectures") or []) and raw.get("model_type") != "llama":
+  is_llama = ("LlamaForCausalLM" in (raw.get("architectures") or [])
+              or raw.get("model_type") == "llama")
+  if not is_llama:
     raise HFError(f"architectures {raw.get('architectures')} / model_type "
                   f"{raw.get('model_type')!r} is not a Llama causal LM", path=path,
                   fix="zerojax imports LlamaForCausalLM (model_type 'llama') checkpoints only")
@@ -186,7 +188,8 @@ def seq_len_warning(folder: str, seq_len: int) -> str | None:
     return None
   return (f"warning: train.seq_len={seq_len} is longer than max_position_embeddings={limit} in "
           f"{os.path.join(folder, 'config.json')}: positions past {limit} are new to this model "
-          f"(fine to extend its context on purpose; else use --config.train.seq_len={limit} or less)")
+          "(fine to extend its context on purpose; else use "
+          f"--config.train.seq_len={limit} or less)")
 
 
 def _expected(c: LlamaConfig) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
@@ -234,7 +237,8 @@ def _check_tensors(folder: str, c: LlamaConfig, tensors: dict) -> None:
       raise HFError(f"tensor {name} has shape {tensors[name][2]}, config.json implies {shape}",
                     path=where(name))
   # HF buffers that are not parameters; a tied head may be saved anyway (it is ignored).
-  ignored = lambda n: n.endswith("rotary_emb.inv_freq") or (n == "lm_head.weight" and c.tie_embeddings)
+  ignored = lambda n: (n.endswith("rotary_emb.inv_freq")
+                       or (n == "lm_head.weight" and c.tie_embeddings))
   extra = sorted(n for n in tensors if n not in expected and not ignored(n))
   if extra:
     raise HFError(f"unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)"

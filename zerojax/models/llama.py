@@ -49,6 +49,8 @@ from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
 
 Params = Any
+# {leaf path: (shape, logical axis names)}: what `param_shapes` returns.
+ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
 
 # What the backward pass keeps of each layer. Any policy but "none" recomputes a stage-3
 # layer's gathered weights instead of saving them (they are not matmul outputs); "none"
@@ -397,7 +399,7 @@ def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params
   return Llama(config).init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
 
 
-def param_shapes(config: LlamaConfig) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+def param_shapes(config: LlamaConfig) -> ParamShapes:
   """{leaf path: (shape, logical axis names)} of every parameter, without any JAX work.
 
   The one written-out copy of the model's shapes (`init_params` makes these; a test
@@ -467,7 +469,7 @@ class LlamaLM:
     boxed = jax.eval_shape(lambda rng: init_params(self.config, rng), jax.random.key(0))
     return flax_logical_axes(boxed)
 
-  def param_shapes(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]:
+  def param_shapes(self) -> ParamShapes:
     """{leaf path: (shape, logical axes)}, without JAX work: see `param_shapes`."""
     return param_shapes(self.config)
 

@@ -137,7 +137,8 @@ def write_file(path: str, tensors: Tensors, dtype: np.dtype, write: bool) -> Non
   header, offset = {"__metadata__": {"format": "pt"}}, 0  # "pt": what transformers expects.
   for name, shape, _ in tensors:
     size = math.prod(shape) * dtype.itemsize
-    header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+    header[name] = {"dtype": CODES[dtype], "shape": list(shape),
+                    "data_offsets": [offset, offset + size]}
     offset += size
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # The data starts 8-byte aligned, as safetensors pads it.
@@ -183,6 +184,6 @@ def write_folder(folder: str, tensors: Tensors, dtype: np.dtype, max_shard_size:
   if write and n > 1:
     total = sum(math.prod(t[1]) for g in groups for t in g) * dtype.itemsize
     with open(os.path.join(folder, INDEX), "w") as f:
-      json.dump({"metadata": {"total_size": total},
-                 "weight_map": {t[0]: name for name, g in zip(names, groups) for t in g}}, f, indent=2)
+      weight_map = {t[0]: name for name, g in zip(names, groups) for t in g}
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   return names

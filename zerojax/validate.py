@@ -1,0 +1,217 @@
+"""Validating a config: every key's type and range, then the rules between keys.
+
+A value can be valid alone and wrong with another: a batch the mesh cannot split, a
+float16 / bfloat16 mix, a key of the other model family, a workdir that is a file. Each
+is a `ConfigError` naming the key, where its value came from and the fix, before any
+device work starts. `zerojax.config.load_config` calls `validate`; the mesh arithmetic
+is `zerojax.mesh.resolve_shape`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import ml_collections
+
+from zerojax.config_schema import (
+  ConfigError,
+  Source,
+  check_tree,
+  check_value,
+  flatten,
+  schema,
+  source_of,
+)
+
+
+def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
+                       source: Source = "the config") -> tuple[int, int]:
+  """Returns the (data, fsdp) mesh shape for `num_devices`, a -1 taking the devices left over.
+
+  The arithmetic and its messages are `zerojax.mesh.resolve_shape`'s, in the config's key
+  names.
+
+  Raises:
+    ConfigError: both sizes are -1, a -1 cannot take an even share, or the product is not
+      num_devices.
+  """
+  from zerojax.mesh import MeshShapeError, resolve_shape  # pylint: disable=import-outside-toplevel
+  try:
+    return resolve_shape((config.mesh.data, config.mesh.fsdp), num_devices,
+                         names=("mesh.data", "mesh.fsdp"))
+  except MeshShapeError as e:
+    raise ConfigError(e.problem, key=e.key or "mesh",
+                      source=source_of(source, "mesh.data", "mesh.fsdp"), fix=e.fix) from None
+
+
+def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: Source) -> None:
+  gbs, micro = config.train.global_batch_size, config.train.microbatches
+  unit = dp * micro
+  what = f"{what} x train.microbatches ({micro})" if what else f"train.microbatches ({micro})"
+  if gbs % unit:
+    lower, upper = gbs // unit * unit, (gbs // unit + 1) * unit
+    nearest = " or ".join(str(b) for b in (lower, upper) if b > 0)
+    where = source_of(source, "train.global_batch_size", "train.microbatches", "mesh.data",
+                      "mesh.fsdp")
+    raise ConfigError(f"{gbs} sequences cannot be split evenly over {what} = {unit}.",
+                      key="train.global_batch_size", source=where,
+                      fix=f"use a multiple of {unit}, e.g. train.global_batch_size={nearest}, "
+                          "or change train.microbatches")
+
+
+# Keys that only one model family reads: setting one for the other family is an error,
+# not a silently ignored value.
+_MODEL_ONLY = {
+    "mlp_lm": ("context",),
+    "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor",
+              "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
+              "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk"),
+}
+
+
+def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
+  m, base = config.model, schema()[0]
+  for family, keys in _MODEL_ONLY.items():
+    if family == m.name:
+      continue
+    for key in keys:
+      if m[key] != base[f"model.{key}"]:
+        raise ConfigError(f"is set to {m[key]!r}, but only model.name={family!r} reads it and "
+                          f"this model is {m.name!r}.", key=f"model.{key}",
+                          source=source_of(source, f"model.{key}"),
+                          fix=f"remove it, or set model.name={family!r}")
+  if m.name == "llama":
+    where = source_of(source, "model.n_heads", "model.n_kv_heads", "model.d_model")
+    if m.n_heads % m.n_kv_heads:
+      raise ConfigError(f"n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}.",
+                        key="model.n_kv_heads", source=where, fix="use a divisor of n_heads")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+      raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even "
+                        "size (rotary embeddings rotate pairs).", key="model.d_model",
+                        source=where, fix="choose d_model divisible by 2 * n_heads")
+
+
+def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
+  """Dtype combinations that cannot work, or silently do nothing."""
+  p, o = config.precision, config.optimizer
+  where = lambda *keys: source_of(source, *keys)
+  low = {p.param_dtype, p.compute_dtype} - {"float32"}
+  if len(low) > 1:
+    raise ConfigError(f"param_dtype={p.param_dtype!r} with compute_dtype={p.compute_dtype!r} mixes "
+                      "float16 and bfloat16.", key="precision.compute_dtype",
+                      source=where("precision.param_dtype", "precision.compute_dtype"),
+                      fix="use the same 16-bit format for both (bfloat16 needs no loss scaling)")
+  if o.update_rule == "stochastic" and p.param_dtype != "bfloat16":
+    raise ConfigError("stochastic rounding is implemented for bfloat16 params, not "
+                      f"{p.param_dtype}.", key="optimizer.update_rule",
+                      source=where("optimizer.update_rule", "precision.param_dtype"),
+                      fix="use update_rule 'kahan' (any dtype) or param_dtype 'bfloat16'")
+  if o.update_rule in ("kahan", "master") and p.param_dtype == "float32":
+    raise ConfigError(f"update_rule {o.update_rule!r} compensates low-precision params, but "
+                      "params are float32: it would only spend memory.",
+                      key="optimizer.update_rule",
+                      source=where("optimizer.update_rule", "precision.param_dtype"),
+                      fix="use update_rule 'nearest' with float32 params")
+  ls = p.loss_scale
+  if "float16" in (p.param_dtype, p.compute_dtype) and ls.min_scale > 2.0 ** ls.initial_power:
+    raise ConfigError(f"min_scale={ls.min_scale:g} is above the first scale "
+                      f"2**{ls.initial_power}: the first back-off would raise the scale.",
+                      key="precision.loss_scale.min_scale",
+                      source=where("precision.loss_scale.min_scale",
+                                   "precision.loss_scale.initial_power"),
+                      fix=f"use min_scale <= 2**initial_power = {2.0 ** ls.initial_power:g}")
+  # A bf16 second moment cannot decay: nu * b2 rounds back to nu when 1 - b2 < 2^-9.
+  if o.name == "adamw" and o.state_dtype == "bfloat16" and 1 - o.b2 < 2 ** -8:
+    raise ConfigError(f"b2={o.b2} with bfloat16 optimizer state: each step shrinks nu by "
+                      f"{1 - o.b2:.2g}, under bfloat16's resolution, so nu never decays.",
+                      key="optimizer.b2",
+                      source=where("optimizer.b2", "optimizer.state_dtype"),
+                      fix="use b2 <= 0.996 (e.g. 0.95) or optimizer.state_dtype='float32'")
+
+
+def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
+  """The keys each data source needs; `zerojax.data.load_tokens` checks the files themselves."""
+  d = config.data
+  where = lambda *keys: source_of(source, *keys, "data.name")
+  if d.name == "stdlib":
+    if d.path or d.eval_path:
+      key = "data.path" if d.path else "data.eval_path"
+      raise ConfigError("is set, but data.name='stdlib' reads no file.", key=key,
+                        source=where(key), fix="set data.name='tokens' (.bin / .npy ids) or "
+                                               "'text' (.txt / .jsonl), or clear it")
+    if config.model.vocab_size < 256:
+      raise ConfigError(f"is {config.model.vocab_size}, but data.name='stdlib' has byte tokens "
+                        "(ids 0-255).", key="model.vocab_size", source=where("model.vocab_size"),
+                        fix="use model.vocab_size >= 256")
+    return
+  kinds = "a .bin or .npy file of token ids" if d.name == "tokens" else "a .txt or .jsonl file"
+  if not d.path:
+    raise ConfigError(f"is empty, but data.name={d.name!r} reads its tokens from a file.",
+                      key="data.path", source=where("data.path"), fix=f"set data.path to {kinds}")
+  if d.name == "text" and not d.tokenizer:
+    raise ConfigError("is empty, but data.name='text' needs a tokenizer.", key="data.tokenizer",
+                      source=where("data.tokenizer"),
+                      fix="set data.tokenizer to a Hugging Face tokenizer.json")
+  if d.name == "text" and not d.text_key:
+    raise ConfigError("is empty.", key="data.text_key", source=where("data.text_key"),
+                      fix="set it to the JSONL field that holds each document (usually 'text')")
+
+
+def _check_workdir(config: ml_collections.ConfigDict, source: Source) -> None:
+  """The workdir must be a directory or creatable as one; it is made later, by the run."""
+  if not config.workdir:
+    return
+  existing = os.path.abspath(config.workdir)
+  while not os.path.exists(existing):  # The nearest part of the path that exists.
+    existing = os.path.dirname(existing)
+  where = source_of(source, "workdir")
+  if not os.path.isdir(existing):
+    inside = ("" if existing == os.path.abspath(config.workdir)
+              else f", and {config.workdir} would be inside it")
+    raise ConfigError(f"{existing} is a file, not a directory{inside}.", key="workdir",
+                      source=where, fix="name a directory for the run's checkpoints, metrics and "
+                                        "config (it is created if missing)")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f"the directory {existing} is not writable by this user.", key="workdir",
+                      source=where, fix="name a directory you can write to")
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
+             source: Source = "the config") -> None:
+  """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
+
+  Args:
+    config: a config tree with exactly the keys of base_config().
+    num_devices: when given, the mesh and the batch are checked against this many devices.
+    source: where values came from: one string, or {dotted key: source} with "" as the fallback.
+  """
+  check_tree(config, source)
+  values, _ = flatten(config)
+  for key, default in schema()[0].items():
+    check_value(key, values[key], default, source_of(source, key))
+  if config.mesh.data == -1 and config.mesh.fsdp == -1:
+    raise ConfigError("mesh.data and mesh.fsdp are both -1; at most one may take the devices left "
+                      "over.", key="mesh", source=source_of(source, "mesh.data", "mesh.fsdp"),
+                      fix="give one of them a size")
+  if config.optimizer.warmup_steps > config.train.steps:
+    raise ConfigError(f"warmup of {config.optimizer.warmup_steps} steps is longer than train.steps="
+                      f"{config.train.steps}.", key="optimizer.warmup_steps",
+                      source=source_of(source, "optimizer.warmup_steps", "train.steps"),
+                      fix=f"use optimizer.warmup_steps <= {config.train.steps}")
+  _check_precision(config, source)
+  _check_model(config, source)
+  _check_data(config, source)
+  _check_workdir(config, source)
+  if config.model.name == "mlp_lm" and config.model.context > config.train.seq_len:
+    raise ConfigError(f"context {config.model.context} is longer than "
+                      f"train.seq_len={config.train.seq_len}.", key="model.context",
+                      source=source_of(source, "model.context", "train.seq_len"),
+                      fix=f"use model.context <= {config.train.seq_len}")
+  if num_devices is not None:
+    data, fsdp = resolve_mesh_shape(config, num_devices, source=source)
+    _check_batch(config, data * fsdp,
+                 f"the data-parallel size (mesh.data x mesh.fsdp = {data * fsdp})", source)
+  else:
+    fixed = math.prod(s for s in (config.mesh.data, config.mesh.fsdp) if s > 0)
+    _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
