@@ -41,6 +41,7 @@ from zerojax import (
   metrics,
   peers,
   precision,
+  preemption,
   units,
   workdir,
 )
@@ -217,7 +218,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
   model, loss_scaling = run.built.model, run.built.loss_scaling
   run_meta = {"config": c.to_dict()}
   start = int(state.step)  # The data position: batches are a pure function of the step.
-  stop = checkpoint.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
+  stop = preemption.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
   eval_step = zerojax.make_eval_step(run.built.plan, model.loss)
   rows = data.process_rows(t.global_batch_size)
 

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import checkpoint, checksums, optim
+from zerojax import checkpoint, checksums, optim, preemption
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
 
@@ -305,7 +305,7 @@ def test_incompatible_config_is_an_error(tmp_path):
 
 
 def test_stop_signal():
-  stop = checkpoint.StopSignal()
+  stop = preemption.StopSignal()
   try:
     assert not stop(1)
     os.kill(os.getpid(), signal.SIGTERM)
