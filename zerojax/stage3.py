@@ -129,7 +129,7 @@ def _layer(tree: PyTree, i: jax.Array) -> PyTree:
   return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
-def _to_bits(x):
+def to_bits(x):
   """The saved layer inputs are kept as their bits (unsigned ints of the same width):
   XLA:CPU would otherwise turn "slice, then upcast to fp32" in the backward loop into
   "upcast the whole stack" and hoist that out of the loop (loop-invariant code motion),
@@ -139,7 +139,7 @@ def _to_bits(x):
   return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
 
-def _from_bits(bits, like):
+def from_bits(bits, like):
   return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
 
 
@@ -151,7 +151,7 @@ def _scan_layers(fn, params, carry, args):
 def _scan_layers_fwd(fn, params, carry, args):
   # Saves each layer's input carry, as full remat does; `params` is an input already.
   out, inputs = jax.lax.scan(
-      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(_to_bits, c)), carry, params)
+      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(to_bits, c)), carry, params)
   return out, (params, inputs, args)
 
 
@@ -172,7 +172,7 @@ def _scan_layers_bwd(fn, residuals, ct):
     # to order the two, would copy the whole stack every layer. At k = 0 the index is
     # clamped to the last layer, whose params `pending` holds unchanged.
     grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
-    x = jax.tree.map(_from_bits, _layer(inputs, i), ct)
+    x = jax.tree.map(from_bits, _layer(inputs, i), ct)
     _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
     pending, ct, d_args = vjp(ct)
     ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, d_args)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import optim, precision, stage3, zero
+from zerojax import precision, stage3, updates, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -112,12 +112,12 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
   return jax.jit(init, out_shardings=state_shardings(plan), donate_argnums=1)(key_data, params)
 
 
-def _leading_size(batch: PyTree) -> int:
+def leading_size(batch: PyTree) -> int:
   leaf = jax.tree.leaves(batch)[0]
   return math.prod(leaf.shape[:2])
 
 
-def _check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
+def check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
   """A clear error at trace time instead of a shape error deep inside shard_map."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
     if not leaf.shape or leaf.shape[0] % multiple:
@@ -127,7 +127,7 @@ def _check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
           f"({multiple // microbatches}) x microbatches ({microbatches})")
 
 
-def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
+def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
   """What the model sees of one device's params: their own dtype, gathered by stage.
 
   With sharded params, leaves the model gathers per layer become `stage3.Sharded`, the
@@ -142,6 +142,18 @@ def _materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
     return stage3.gather_leaf(p, d, plan.shard_axes, like.dtype)
   return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, plan.params,
                       is_leaf=lambda d: d is None)
+
+
+def sum_unreduced(plan: zero.ZeroPlan, g: jax.Array, dim: int | None) -> jax.Array:
+  """Sums one gradient leaf over the mesh axes no reduce-scatter has summed it over.
+
+  A leaf reduce-scattered over the ZeRO axes (sharded with the optimizer state) still
+  needs the replica axes; any other leaf needs every data axis.
+  """
+  done = plan.behaviour.shards_opt_state and dim is not None
+  over = [a for a in (plan.replica_axes if done else plan.data_axes)
+          if plan.mesh.shape[a] > 1]
+  return jax.lax.psum(g, tuple(over)) if over else g
 
 
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
@@ -177,12 +189,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
       if behaviour.grad_reduction == "psum_scatter_once" and sharded(d):
         # Half an all-reduce's traffic: the update is per shard.
         g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-      done = behaviour.shards_opt_state and sharded(d)  # Summed over the ZeRO axes.
-      over = [a for a in (plan.replica_axes if done else plan.data_axes)
-              if plan.mesh.shape[a] > 1]
-      if over:
-        g = jax.lax.psum(g, tuple(over))
-      return g
+      return sum_unreduced(plan, g, d)
     return jax.tree.map(leaf, acc, dims, is_leaf=is_dim)
 
   def acc_zeros(params):
@@ -201,7 +208,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     micro = jax.tree.map(split, batch)
 
     def objective(p32, mb, key):
-      out = loss_fn(_materialize(plan, p32), mb, key)
+      out = loss_fn(materialize(plan, p32), mb, key)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
       return loss * scale, (loss, aux)  # fp16: scaled so small gradients survive.
@@ -225,97 +232,15 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
   return local
 
 
-def _update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
-            params: PyTree, *, finite: jax.Array, scale: jax.Array,
-            factor: jax.Array | None):
-  """One optimizer update: (new params, new optimizer state, sum of squared updates).
-
-  The gradient is `grads * scale` (the mean of the summed gradients), clipped by
-  `factor` (None: no clipping). Keeps the optimizer state in the dtypes it
-  was created with (fp32 gradients would promote bf16 moments otherwise, changing the
-  state's type from step to step), and changes nothing when the gradients are not
-  `finite` (the step is skipped).
-  """
-  grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-  if factor is not None:
-    grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-  updates, new_state = tx.update(grads, opt_state, params)
-  new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
-  new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-  squares = [jnp.sum(jnp.square(u.astype(jnp.float32))) for u in jax.tree.leaves(updates)]
-  return (keep(new_params, params), keep(new_state, opt_state),
-          sum(squares, jnp.zeros((), jnp.float32)))
-
-
-def _mirrored(plan: zero.ZeroPlan) -> PyTree:
-  """Per optimizer-state leaf: True if it mirrors a param leaf (layer-stacked or not)."""
-  return plan.opt_like(jax.tree.map(lambda _: True, plan.per_layer), False)
-
-
-def _can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -> bool:
-  """Whether the update may run one layer at a time (`optim.LeafwiseTransformation`)."""
-  if not isinstance(tx, optim.LeafwiseTransformation) or not any(
-      jax.tree.leaves(plan.per_layer)):
-    return False
-  # State leaves that mirror no param must be scalars (counts): every slice shares them.
-  return all(mirror or not x.shape for x, mirror in zip(
-      jax.tree.leaves(plan.opt_state), jax.tree.leaves(_mirrored(plan)), strict=True))
-
-
-def _update_by_layer(plan: zero.ZeroPlan, update: Callable, grads: PyTree,
-                     opt_state: PyTree, params: PyTree):
-  """`update` on the whole tree, run one layer at a time on layer-stacked leaves.
-
-  A leafwise update (`optim.LeafwiseTransformation`) of a slice equals that slice of
-  the update. Run on whole (layers, ...) stacks, XLA:CPU materialises fp32
-  temporaries of whole stacks (the update, the Kahan sum, the clipped gradient, the
-  kept old values); here they are one layer's, and the stacked params and state are
-  updated in place, slice by slice, in a loop over the layers. The other leaves
-  (embedding, head, norms) and the state's scalars are updated in one call of their
-  own. Each call sees the tree whole, the leaves it does not update emptied (zero
-  size), so the transform's structure and scalar state are untouched.
-
-  Returns:
-    (new params, new optimizer state, sum of squared updates).
-  """
-  layered, opt_layered, mirrored = plan.per_layer, plan.opt_per_layer, _mirrored(plan)
-  empty = lambda x: jnp.zeros((0,), x.dtype)
-  select = lambda f, tree, mask: jax.tree.map(lambda x, m: f(x) if m else x, tree, mask)
-  pick = lambda mask, a, b: jax.tree.map(lambda m, x, y: x if m else y, mask, a, b)
-
-  # Everything but the layer stacks; the state's scalars advance here, once.
-  rest_p, rest_s, total = update(
-      select(empty, grads, layered), select(empty, opt_state, opt_layered),
-      select(empty, params, layered))
-
-  for length in sorted({x.shape[0] for x, m in zip(jax.tree.leaves(params),
-                                                   jax.tree.leaves(layered)) if m}):
-    # One loop per stack length (a model may stack layers of different depths).
-    in_loop = jax.tree.map(lambda m, x: bool(m) and x.shape[0] == length, layered, params)
-    opt_in_loop = jax.tree.map(lambda m, x: bool(m) and x.shape[0] == length,
-                               opt_layered, opt_state)
-    # Slices of this loop's stacks; everything else emptied but the state's scalars,
-    # which every slice reads as they were before the step.
-    slice_p = lambda tree, i: jax.tree.map(
-        lambda x, m: jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if m else empty(x),
-        tree, in_loop)
-    slice_s = lambda tree, i: jax.tree.map(
-        lambda x, m, mirror: (jax.lax.dynamic_index_in_dim(x, i, keepdims=False) if m
-                              else empty(x) if mirror else x),
-        tree, opt_in_loop, mirrored)
-    put = lambda tree, new, mask, i: jax.tree.map(
-        lambda x, n, m: jax.lax.dynamic_update_index_in_dim(x, n, i, 0) if m else x,
-        tree, new, mask)
-
-    def body(i, carry):
-      p, s, total = carry
-      new_p, new_s, squares = update(slice_p(grads, i), slice_s(s, i), slice_p(p, i))
-      return put(p, new_p, in_loop, i), put(s, new_s, opt_in_loop, i), total + squares
-
-    params, opt_state, total = jax.lax.fori_loop(0, length, body,
-                                                 (params, opt_state, total))
-  return pick(layered, params, rest_p), pick(opt_layered, opt_state, rest_s), total
+def learning_rate_metric(state: TrainState,
+                         learning_rate: optax.ScalarOrSchedule | None) -> dict:
+  """{'learning_rate': the step's rate} if it is known. The schedule counts applied
+  updates: skipped steps do not advance it."""
+  if learning_rate is None:
+    return {}
+  applied = state.step - state.loss_scale.total_skips
+  lr = learning_rate(applied) if callable(learning_rate) else learning_rate
+  return {"learning_rate": jnp.asarray(lr, jnp.float32)}
 
 
 def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
@@ -370,7 +295,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   shardings = state_shardings(plan)
   # The update runs in the reduced gradient's layout: each device its shard (or all).
   update_shardings = plan.shardings(plan.grad_specs)
-  by_layer = _can_update_by_layer(plan, tx)
+  by_layer = updates.can_update_by_layer(plan, tx)
   if update_by_layer and not by_layer:
     raise ValueError(
         "update_by_layer=True needs layer-stacked params and an optimizer that updates "
@@ -379,7 +304,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   by_layer = by_layer if update_by_layer is None else update_by_layer
 
   def step(state: TrainState, batch: PyTree):
-    _check_batch(batch, plan.num_data * microbatches, microbatches)
+    check_batch(batch, plan.num_data * microbatches, microbatches)
     params = state.params
     rng = jax.random.key_data(jax.random.fold_in(
         jax.random.wrap_key_data(state.rng), state.step))
@@ -402,9 +327,10 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
 
     # The update runs where each device holds only its shard of the optimizer state.
     on_shards = lambda tree: jax.lax.with_sharding_constraint(tree, update_shardings)
-    update = functools.partial(_update, tx, finite=finite, scale=mean_scale, factor=factor)
+    update = functools.partial(updates.apply, tx, finite=finite, scale=mean_scale,
+                               factor=factor)
     if by_layer:
-      new_params, opt_state, update_sq = _update_by_layer(
+      new_params, opt_state, update_sq = updates.update_by_layer(
           plan, update, on_shards(grads), state.opt_state, on_shards(params))
     else:
       new_params, opt_state, update_sq = update(on_shards(grads), state.opt_state,
@@ -418,15 +344,11 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     metrics = dict(loss=loss, grad_norm=grad_norm,
                    update_norm=jnp.where(finite, jnp.sqrt(update_sq), 0.0).astype(
                        jnp.float32),
-                   tokens=jnp.asarray(_leading_size(batch), jnp.float32),
+                   tokens=jnp.asarray(leading_size(batch), jnp.float32),
                    skipped=(~finite).astype(jnp.float32),
                    consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),
                    loss_scale=loss_scale.scale, **aux)
-    if learning_rate is not None:
-      # The schedule counts applied updates: skipped steps do not advance it.
-      applied = state.step - state.loss_scale.total_skips
-      lr = learning_rate(applied) if callable(learning_rate) else learning_rate
-      metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+    metrics.update(learning_rate_metric(state, learning_rate))
     return TrainState(state.step + 1, new_params, opt_state, state.rng,
                       loss_scale), metrics
 
@@ -449,7 +371,7 @@ def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, Py
     are the fp32 means over the batch: loss and the loss_fn's aux values.
   """
   def local(params, batch):
-    out = loss_fn(_materialize(plan, params), batch, jax.random.key(0))
+    out = loss_fn(materialize(plan, params), batch, jax.random.key(0))
     loss, aux = out if isinstance(out, tuple) else (out, {})
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
     return dict(loss=mean(loss), **jax.tree.map(mean, aux))

@@ -1,0 +1,163 @@
+"""The optimizer update, on the whole tree or one layer at a time.
+
+The train step (`zerojax.step`) runs it under GSPMD on arrays laid out by the plan;
+gradient release (`zerojax.release`) runs it per device, on one layer's shards inside
+the backward pass. An optimizer that updates each element on its own
+(`optim.LeafwiseTransformation`) may run on any slice of the leaves: `LayerViews`
+cuts layer i out of the stacks as trees the transform takes whole.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax import optim, zero
+
+PyTree = Any
+
+
+def apply(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+          params: PyTree, *, finite: jax.Array, scale: jax.Array,
+          factor: jax.Array | None, copies: PyTree | None = None):
+  """One optimizer update: (new params, new optimizer state, sum of squared updates).
+
+  The gradient is `grads * scale` (the mean of the summed gradients), clipped by
+  `factor` (None: no clipping). Keeps the optimizer state in the dtypes it
+  was created with (fp32 gradients would promote bf16 moments otherwise, changing the
+  state's type from step to step), and changes nothing when the gradients are not
+  `finite` (the step is skipped). `copies` (per param leaf, optional) divides each
+  leaf's squared update by the devices holding that same leaf, for a caller that sums
+  the squares over devices (a per-device update inside `jax.shard_map`).
+  """
+  grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+  if factor is not None:
+    grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+  updates, new_state = tx.update(grads, opt_state, params)
+  new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  return (keep(new_params, params), keep(new_state, opt_state),
+          sum_squares(updates, copies))
+
+
+def sum_squares(tree: PyTree, copies: PyTree | None = None,
+                scale: jax.Array | None = None) -> jax.Array:
+  """Sum of the squares of `tree * scale`'s elements in fp32, leaf i's divided by
+  `copies[i]` (default 1)."""
+  leaves = jax.tree.leaves(tree)
+  copies = jax.tree.leaves(copies) if copies is not None else [1] * len(leaves)
+  scaled = lambda x: x if scale is None else x * scale.astype(x.dtype)
+  squares = [jnp.sum(jnp.square(scaled(x).astype(jnp.float32))) / n
+             for x, n in zip(leaves, copies, strict=True)]
+  return sum(squares, jnp.zeros((), jnp.float32))
+
+
+def mirrored_leaves(plan: zero.ZeroPlan) -> PyTree:
+  """Per optimizer-state leaf: True if it mirrors a param leaf (layer-stacked or not)."""
+  return plan.opt_like(jax.tree.map(lambda _: True, plan.per_layer), False)
+
+
+def can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -> bool:
+  """Whether the update may run one layer at a time (`optim.LeafwiseTransformation`)."""
+  if not isinstance(tx, optim.LeafwiseTransformation) or not any(
+      jax.tree.leaves(plan.per_layer)):
+    return False
+  # State leaves that mirror no param must be scalars (counts): every slice shares them.
+  return all(mirror or not x.shape for x, mirror in zip(
+      jax.tree.leaves(plan.opt_state), jax.tree.leaves(mirrored_leaves(plan)), strict=True))
+
+
+def update_by_layer(plan: zero.ZeroPlan, update: Callable, grads: PyTree,
+                    opt_state: PyTree, params: PyTree):
+  """`update` on the whole tree, run one layer at a time on layer-stacked leaves.
+
+  A leafwise update (`optim.LeafwiseTransformation`) of a slice equals that slice of
+  the update. Run on whole (layers, ...) stacks, XLA:CPU materialises fp32
+  temporaries of whole stacks (the update, the Kahan sum, the clipped gradient, the
+  kept old values); here they are one layer's, and the stacked params and state are
+  updated in place, slice by slice, in a loop over the layers. The other leaves
+  (embedding, head, norms) and the state's scalars are updated in one call of their
+  own. Each call sees the tree whole, the leaves it does not update emptied (zero
+  size), so the transform's structure and scalar state are untouched.
+
+  Returns:
+    (new params, new optimizer state, sum of squared updates).
+  """
+  layered, opt_layered = plan.per_layer, plan.opt_per_layer
+  # Everything but the layer stacks; the state's scalars advance here, once.
+  rest_p, rest_s, total = update(*without_stacks(plan, grads, opt_state, params))
+
+  for length in sorted({x.shape[0] for x, m in zip(jax.tree.leaves(params),
+                                                   jax.tree.leaves(layered)) if m}):
+    # One loop per stack length (a model may stack layers of different depths).
+    views = LayerViews(plan, params, opt_state, length)
+
+    def body(i, carry, views=views):
+      p, s, total = carry
+      new_p, new_s, squares = update(views.params(grads, i), views.state(s, i),
+                                     views.params(p, i))
+      return views.put(p, new_p, i), views.put_state(s, new_s, i), total + squares
+
+    params, opt_state, total = jax.lax.fori_loop(0, length, body,
+                                                 (params, opt_state, total))
+  return pick(layered, params, rest_p), pick(opt_layered, opt_state, rest_s), total
+
+
+def _empty(x: jax.Array) -> jax.Array:
+  return jnp.zeros((0,), x.dtype)
+
+
+def pick(mask: PyTree, a: PyTree, b: PyTree) -> PyTree:
+  """`a`'s leaves where `mask` is True, `b`'s elsewhere."""
+  return jax.tree.map(lambda m, x, y: x if m else y, mask, a, b)
+
+
+def without_stacks(plan: zero.ZeroPlan, grads: PyTree, opt_state: PyTree,
+                    params: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+  """The update's arguments with every layer-stacked leaf emptied (zero size)."""
+  select = lambda tree, mask: jax.tree.map(lambda x, m: _empty(x) if m else x, tree, mask)
+  return (select(grads, plan.per_layer), select(opt_state, plan.opt_per_layer),
+          select(params, plan.per_layer))
+
+
+class LayerViews:
+  """Layer i of the stacks of one length, as trees an update takes whole.
+
+  Leaves of other stacks and the non-stacked ones are emptied (zero size), except the
+  optimizer state's scalars, which every slice reads as they were before the step.
+  """
+
+  def __init__(self, plan: zero.ZeroPlan, params: PyTree, opt_state: PyTree,
+               length: int):
+    stacked = lambda m, x: bool(m) and x.shape[0] == length
+    self.in_loop = jax.tree.map(stacked, plan.per_layer, params)
+    self.opt_in_loop = jax.tree.map(stacked, plan.opt_per_layer, opt_state)
+    self.mirrored = mirrored_leaves(plan)
+
+  def params(self, tree: PyTree, i: jax.Array) -> PyTree:
+    return jax.tree.map(lambda x, m: _index(x, i) if m else _empty(x), tree, self.in_loop)
+
+  def state(self, tree: PyTree, i: jax.Array) -> PyTree:
+    return jax.tree.map(
+        lambda x, m, mirror: _index(x, i) if m else _empty(x) if mirror else x,
+        tree, self.opt_in_loop, self.mirrored)
+
+  def put(self, tree: PyTree, new: PyTree, i: jax.Array) -> PyTree:
+    return _put(tree, new, self.in_loop, i)
+
+  def put_state(self, tree: PyTree, new: PyTree, i: jax.Array) -> PyTree:
+    return _put(tree, new, self.opt_in_loop, i)
+
+
+def _index(x: jax.Array, i: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+def _put(tree: PyTree, new: PyTree, mask: PyTree, i: jax.Array) -> PyTree:
+  """Writes slice i of each masked leaf in place."""
+  return jax.tree.map(
+      lambda x, n, m: jax.lax.dynamic_update_index_in_dim(x, n, i, 0) if m else x,
+      tree, new, mask)
