@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax.release import LayeredLoss
 from zerojax.stage3 import gather
 
 Params = dict[str, Any]
@@ -100,33 +101,54 @@ class MlpLM:
     Returns:
       float32[B, T, V] logits.
     """
-    cd = self.compute_dtype
-    x = params["embed"].astype(cd)[tokens]
-
     def block(x, layer):
-      layer = gather(layer)  # Stage 3: this layer's weights only, gathered here.
-      h = _rms_norm(x, layer["norm"]).astype(cd)
-      # Causal depthwise filter: position t sees t, t-1, ..., t-C+1.
-      shifted = [jnp.pad(h, ((0, 0), (c, 0), (0, 0)))[:, :h.shape[1]]
-                 for c in range(self.context)]
-      h = jnp.einsum("cbtd,cd->btd", jnp.stack(shifted), layer["mix"].astype(cd))
-      h = jax.nn.gelu(h @ layer["w_in"].astype(cd)) @ layer["w_out"].astype(cd)
-      return x + h, None
+      # Stage 3: this layer's weights only, gathered here.
+      return self.block(gather(layer), x), None
 
     if self.remat != "none":
       block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat])
-    x, _ = jax.lax.scan(block, x, params["layers"])
-    x = _rms_norm(x, params["final_norm"]).astype(cd)
-    return (x @ params["head"].astype(cd)).astype(jnp.float32)
+    x, _ = jax.lax.scan(block, self.embed(params, tokens), params["layers"])
+    return self.head(params, x)
+
+  def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+    """The residual stream entering the first block: [B, T, D] in the compute dtype."""
+    return params["embed"].astype(self.compute_dtype)[tokens]
+
+  def block(self, layer: Params, x: jax.Array) -> jax.Array:
+    """One block on the residual stream; `layer` holds one layer's (whole) params."""
+    cd = self.compute_dtype
+    h = _rms_norm(x, layer["norm"]).astype(cd)
+    # Causal depthwise filter: position t sees t, t-1, ..., t-C+1.
+    shifted = [jnp.pad(h, ((0, 0), (c, 0), (0, 0)))[:, :h.shape[1]]
+               for c in range(self.context)]
+    h = jnp.einsum("cbtd,cd->btd", jnp.stack(shifted), layer["mix"].astype(cd))
+    h = jax.nn.gelu(h @ layer["w_in"].astype(cd)) @ layer["w_out"].astype(cd)
+    return x + h
+
+  def head(self, params: Params, x: jax.Array) -> jax.Array:
+    """float32[B, T, V] logits from the last block's output."""
+    x = _rms_norm(x, params["final_norm"]).astype(self.compute_dtype)
+    return (x @ params["head"].astype(self.compute_dtype)).astype(jnp.float32)
 
   def loss(self, params: Params, batch: dict[str, jax.Array], rng: jax.Array = None):
     """Mean next-token cross-entropy (fp32) over `batch['tokens']`: int32[B, T+1]."""
     del rng  # No dropout.
     tokens = batch["tokens"]
-    logits = self.apply(params, tokens[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.mean(nll)
+    return _nll(self.apply(params, tokens[:, :-1]), tokens)
+
+  def layered(self) -> LayeredLoss:
+    """`loss` cut at its layer loop, for gradient release (`zerojax.release`)."""
+    return LayeredLoss(
+        embed=lambda rest, batch: self.embed(rest, batch["tokens"][:, :-1]),
+        layer=self.block,
+        head_loss=lambda rest, x, batch: _nll(self.head(rest, x), batch["tokens"]),
+        stack="layers")
+
+
+def _nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Mean cross-entropy of `tokens[:, 1:]` under `logits` (one row per position)."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return jnp.mean(-jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0])
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:

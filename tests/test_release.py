@@ -1,0 +1,146 @@
+"""Gradient release at stage 3 (`zerojax.release`) on 8 CPU devices: it computes what
+the normal step computes, holds no fp32 gradient of the layer stack, skips a layer
+whose gradient is not finite, and refuses what it cannot do."""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax
+from zerojax import optim, precision, xla_dump
+from zerojax.models.mlp_lm import MlpLM
+from zerojax.release import make_release_step
+
+SMALL = dict(vocab_size=64, d_model=32, d_ff=64, n_layers=3, context=4)
+
+
+def make(model, tx, mesh_shape=(1, 8), stage=3):
+  mesh = zerojax.make_mesh(*mesh_shape)
+  return zerojax.make_plan(mesh, stage, jax.eval_shape(model.init, jax.random.key(0)), tx,
+                           logical_axes=model.logical_axes(), min_shard_size=0)
+
+
+def batches(n, batch=8, seq=16, vocab=64):
+  rs = np.random.RandomState(0)
+  return [{"tokens": rs.randint(0, vocab, size=(batch, seq + 1)).astype(np.int32)}
+          for _ in range(n)]
+
+
+def run(step, plan, model, tx, data, params=None):
+  state = zerojax.init_state(plan, model.init, tx, jax.random.key(0), params=params)
+  for batch in data:
+    state, metrics = step(state, batch)
+  return state, {k: float(v) for k, v in metrics.items()}
+
+
+def relative(a, b):
+  a, b = np.float64(a), np.float64(b)
+  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+@pytest.mark.parametrize("name, rule, mesh_shape", [
+    ("adamw", "nearest", (1, 8)), ("lion", "nearest", (2, 4)), ("adamw", "kahan", (1, 8))])
+def test_release_step_equals_the_normal_step(name, rule, mesh_shape):
+  """5 steps, fp32: every leaf of the params and optimizer state within 1e-6."""
+  model = MlpLM(**SMALL)
+  factory = {"adamw": optim.adamw, "lion": optim.lion}[name]
+  tx = factory(1e-2 if name == "adamw" else 1e-3, weight_decay=0.1, update_rule=rule)
+  plan = make(model, tx, mesh_shape)
+  data = batches(5)
+  normal, m_normal = run(zerojax.make_train_step(plan, model.loss, tx), plan, model, tx,
+                         data)
+  release, m_release = run(make_release_step(plan, model.layered(), tx), plan, model,
+                           tx, data)
+  expected = jax.tree_util.tree_leaves_with_path((normal.params, normal.opt_state))
+  for (path, want), got in zip(expected, jax.tree.leaves((release.params,
+                                                          release.opt_state))):
+    assert relative(got, want) <= 1e-6, (jax.tree_util.keystr(path), relative(got, want))
+  for key in ("loss", "grad_norm", "update_norm"):
+    assert m_release[key] == pytest.approx(m_normal[key], rel=1e-5), key
+  assert m_release["skipped_layers"] == 0 and m_release["skipped"] == 0
+  assert int(release.step) == 5
+
+
+def test_release_holds_no_fp32_gradient_of_the_layer_stack():
+  """bf16 params, Kahan AdamW: the normal step's buffers include fp32 arrays the shape
+  of the layer stacks' local shards (their gradients); the release step's include none,
+  its temporaries shrink by at least that gradient, and its largest fp32 temporaries
+  alive at the peak are one layer's."""
+  bf16 = jnp.bfloat16
+  model = MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
+                param_dtype=bf16, compute_dtype=bf16, remat="full")
+  tx = optim.adamw(1e-3, b2=0.95, state_dtype=bf16, update_rule="kahan")
+  plan = make(model, tx)
+  sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
+  batch = {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=sharding)}
+  stack = jax.tree.leaves(plan.params["layers"])
+  dims = jax.tree.leaves(plan.param_dims["layers"], is_leaf=lambda d: d is None)
+  shard_shapes = {",".join(map(str, zerojax.zero.local_shape(x.shape, d, plan.num_shards)))
+                  for x, d in zip(stack, dims, strict=True)}
+  stack_grad = 4 * sum(x.size for x in stack) // plan.num_shards
+  one_layer = 4 * max(x.size for x in stack) // model.n_layers
+
+  def compile_step(step):
+    """(compiled, its buffer assignment, its temporaries alive at the peak)."""
+    with tempfile.TemporaryDirectory() as dump:
+      compiled = step.lower(zerojax.abstract_state(plan), batch).compile(compiler_options=dict(
+          xla_dump_to=dump, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re="jit_step"))
+      with open(xla_dump.step_files(dump) + "-buffer-assignment.txt") as f:
+        return compiled, f.read(), xla_dump.live_at_peak(dump)
+
+  fp32_stacks = lambda buffers: {s for s in shard_shapes if f"f32[{s}]" in buffers}
+  normal, normal_buffers, _ = compile_step(zerojax.make_train_step(plan, model.loss, tx))
+  release, release_buffers, at_peak = compile_step(make_release_step(plan, model.layered(),
+                                                                     tx))
+  assert fp32_stacks(normal_buffers) == shard_shapes  # The check sees the gradients.
+  assert not fp32_stacks(release_buffers)
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes
+  assert temp(release) <= temp(normal) - stack_grad, (temp(release), temp(normal))
+  fp32_at_peak = [size for size, shape, _ in at_peak if shape.startswith("f32")]
+  assert fp32_at_peak and max(fp32_at_peak) <= one_layer, (at_peak[:4], one_layer)
+
+
+def test_a_layer_with_a_non_finite_gradient_is_not_updated():
+  """Layer 1's gradient is NaN (d sqrt(w)/dw at w = 0), the others are finite: layer 1
+  keeps its params and moments, layers 0 and 2 and the rest are updated, and the step
+  reports one skipped layer."""
+  model = MlpLM(**SMALL)
+  tx = optim.adamw(1e-2)
+  plan = make(model, tx)
+  parts = model.layered()
+  poisoned = parts._replace(layer=lambda p, x: parts.layer(p, x) + 0 * jnp.sum(
+      jnp.sqrt(p["norm"])))
+  params = model.init(jax.random.split(jax.random.key(0))[0])
+  params["layers"]["norm"] = params["layers"]["norm"].at[1, 0].set(0.0)
+  params = jax.device_put(params, plan.shardings(plan.param_specs))
+  before = jax.tree.map(np.asarray, params)
+  state, metrics = run(make_release_step(plan, poisoned, tx, donate=False), plan, model,
+                       tx, batches(1), params=params)
+  assert metrics["skipped_layers"] == 1 and metrics["skipped"] == 0
+  assert metrics["consecutive_skips"] == 1
+  w_in, was = np.asarray(state.params["layers"]["w_in"]), before["layers"]["w_in"]
+  np.testing.assert_array_equal(w_in[1], was[1])
+  assert not np.array_equal(w_in[0], was[0]) and not np.array_equal(w_in[2], was[2])
+  assert not np.allclose(np.asarray(state.params["head"]), before["head"])
+  mu = np.asarray(state.opt_state[0].mu["layers"]["w_in"])
+  assert not mu[1].any() and mu[0].any() and mu[2].any()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(microbatches=2), "microbatches=2"),
+    (dict(max_grad_norm=1.0), "max_grad_norm=1.0"),
+    (dict(loss_scaling=precision.LossScaling()), "dynamic loss scaling"),
+    (dict(stage=2), "runs stage 2"),
+    (dict(tx=optax.adamw(1e-3)), "LeafwiseTransformation"),
+    (dict(tx=optim.adamw(1e-3, update_rule="stochastic")), "LeafwiseTransformation"),
+])
+def test_what_release_cannot_do_is_refused(change, message):
+  model = MlpLM(**SMALL)
+  tx = change.pop("tx", optim.adamw(1e-3))
+  plan = make(model, tx, stage=change.pop("stage", 3))
+  with pytest.raises(ValueError, match=message):
+    make_release_step(plan, model.layered(), tx, **change)
