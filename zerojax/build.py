@@ -44,6 +44,7 @@ def build(config) -> Built:
   import zerojax  # pylint: disable=import-outside-toplevel
   from zerojax import models, optim, precision  # pylint: disable=import-outside-toplevel
   from zerojax.mesh import mesh_from_config  # pylint: disable=import-outside-toplevel
+  from zerojax.release import make_release_step  # pylint: disable=import-outside-toplevel
 
   c, t = config, config.train
   mesh = mesh_from_config(c)
@@ -54,10 +55,16 @@ def build(config) -> Built:
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
                            tx, logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size)
-  train_step = zerojax.make_train_step(
-      plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
-      learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
-      accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
+  if c.optimizer.release:
+    train_step = make_release_step(
+        plan, model.layered(), tx, microbatches=t.microbatches,
+        max_grad_norm=c.optimizer.grad_clip, learning_rate=schedule,
+        reduce_dtype=c.precision.reduce_dtype, loss_scaling=loss_scaling)
+  else:
+    train_step = zerojax.make_train_step(
+        plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
+        learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
+        accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
   abstract_batch = {"tokens": jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1),
                                                    jnp.int32, sharding=batch_sharding)}

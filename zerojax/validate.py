@@ -177,6 +177,40 @@ def _check_workdir(config: ml_collections.ConfigDict, source: Source) -> None:
                       source=where, fix="name a directory you can write to")
 
 
+def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
+                   source: Source) -> None:
+  """What gradient release (`zerojax.release`) cannot do yet, named by its keys."""
+  if not config.optimizer.release:
+    return
+  o, p = config.optimizer, config.precision
+  where = lambda key: source_of(source, key, "optimizer.release")
+  problems = [
+      ("zero.stage", config.zero.stage != 3,
+       f"zero.stage={config.zero.stage}: release updates stage-3 shards", "use zero.stage=3"),
+      ("mesh.fsdp", fsdp == 1, "mesh.fsdp=1: with one shard stage 3 runs as stage 0",
+       "use mesh.fsdp > 1"),
+      ("train.microbatches", config.train.microbatches != 1,
+       f"train.microbatches={config.train.microbatches}: there is no gradient accumulator "
+       "to sum microbatches into", "use train.microbatches=1"),
+      ("optimizer.grad_clip", o.grad_clip > 0,
+       f"optimizer.grad_clip={o.grad_clip:g}: the global norm is known only after every "
+       "layer is updated", "use optimizer.grad_clip=0"),
+      ("precision.param_dtype", "float16" in (p.param_dtype, p.compute_dtype),
+       "float16: dynamic loss scaling finds an overflow after layers were updated",
+       "use bfloat16"),
+      ("optimizer.update_rule", o.update_rule == "stochastic",
+       "update_rule 'stochastic' is not elementwise (its random bits depend on the shape)",
+       "use update_rule 'kahan'"),
+      ("model.name", config.model.name != "mlp_lm",
+       f"model.name={config.model.name!r}: only mlp_lm exposes its layer loop so far",
+       "use model.name='mlp_lm'"),
+  ]
+  for key, bad, problem, fix in problems:
+    if bad:
+      raise ConfigError(f"optimizer.release=True with {problem}.", key=key, source=where(key),
+                        fix=f"{fix}, or optimizer.release=False")
+
+
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
              source: Source = "the config") -> None:
   """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
@@ -215,3 +249,5 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   else:
     fixed = math.prod(s for s in (config.mesh.data, config.mesh.fsdp) if s > 0)
     _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
+    fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None
+  _check_release(config, fsdp, source)
