@@ -434,7 +434,10 @@ class Checkpointer:
         end()
       except Exception as e:  # pylint: disable=broad-except
         errors.append(e)
-    logging.getLogger("absl").removeFilter(self._quiet)
+    if not (self._failed or errors):
+      # After a failed save orbax's worker threads may still log their tracebacks once
+      # the manager is closed (seen on a loaded machine): the filter stays, for them.
+      logging.getLogger("absl").removeFilter(self._quiet)
     if errors and not reported:
       if isinstance(errors[0], SaveError):
         raise errors[0]
