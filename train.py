@@ -1,6 +1,6 @@
 """Trains a language model with ZeRO: the one trainer, built only from library calls.
 
-    python train.py                                     # configs/tiny.py on CPU, 3-8 minutes
+    python train.py                                     # configs/tiny.py on CPU, under 8 minutes
     python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/x
     python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64
 
