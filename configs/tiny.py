@@ -3,7 +3,8 @@
     python train.py --config configs/tiny.py
     python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/tiny
 
-Hardware: any CPU (2 cores: under 8 minutes; 7.7 measured on a busy machine). Data: embedded, nothing downloaded.
+Hardware: any CPU (2 cores: under 8 minutes; 7.7 measured on a busy machine).
+Data: embedded, nothing downloaded.
 """
 
 import ml_collections
