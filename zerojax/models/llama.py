@@ -45,6 +45,8 @@ import numpy as np
 from flax.core import FrozenDict
 
 from zerojax.models.attention import attention_kernel, blocked_attention
+from zerojax.models.chunked_loss import chunked_nll
+from zerojax.release import LayeredLoss
 from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
 
@@ -289,6 +291,12 @@ class Block(nn.Module):
     return x, None
 
 
+def apply_block(config: LlamaConfig, params: Params, x: jax.Array, cos: jax.Array,
+                sin: jax.Array) -> jax.Array:
+  """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D]."""
+  return Block(config, parent=None).apply({"params": params}, x, (cos, sin))[0]
+
+
 class Llama(nn.Module):
   """The Llama decoder. `__call__` gives logits; `hidden` and `head` its two halves."""
   config: LlamaConfig
@@ -323,9 +331,8 @@ class Llama(nn.Module):
       # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
       # whose backward pass writes each layer's gradient over the (fp32) params it was
       # given instead of into a second whole-model array: 4 bytes per param less.
-      block = lambda p, x, cos, sin: Block(c, parent=None).apply(
-          {"params": p}, x, (cos, sin))[0]
-      return scan_layers(block, self.variables["params"]["layers"], x, cos, sin)
+      return scan_layers(functools.partial(apply_block, c),
+                         self.variables["params"]["layers"], x, cos, sin)
     x, _ = self.layers(x, (cos, sin))
     return x
 
@@ -353,11 +360,7 @@ def logits(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
 
 def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
          rng: jax.Array | None = None) -> jax.Array:
-  """Mean next-token cross-entropy, fp32, with the head and loss chunked over T.
-
-  The final norm, head, log-softmax and NLL run under `lax.scan` over `loss_chunk`
-  positions at a time, each chunk under `jax.checkpoint`: only one chunk's fp32
-  logits [B, loss_chunk, V] are alive, forward or backward.
+  """Mean next-token cross-entropy, fp32: the layers, then `head_loss`.
 
   Args:
     config: the model.
@@ -369,28 +372,20 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
     The float32 scalar mean over B x T positions.
   """
   del rng
-  model, variables = Llama(config), {"params": params}
   tokens = batch["tokens"]
-  x = model.apply(variables, tokens[:, :-1], method=Llama.hidden)
-  targets = tokens[:, 1:]
-  B, T, _ = x.shape
-  size = min(config.loss_chunk, T)
-  n = -(-T // size)
-  pad = n * size - T
-  chunks = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
-      B, n, size, *a.shape[2:]).swapaxes(0, 1)
-  weights = (jnp.arange(n * size) < T).astype(jnp.float32).reshape(n, size)
+  x = Llama(config).apply({"params": params}, tokens[:, :-1], method=Llama.hidden)
+  return head_loss(config, params, x, tokens[:, 1:])
 
-  @jax.checkpoint
-  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [size] -> scalar.
-    z = model.apply(variables, x, method=Llama.head)
-    logz = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((logz - picked) * weights)
 
-  total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_nll(*xs), None),
-                          jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), weights))
-  return total / (B * T)
+def head_loss(config: LlamaConfig, params: Params, x: jax.Array,
+              targets: jax.Array) -> jax.Array:
+  """Mean cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]:
+  the final norm and head, `loss_chunk` positions at a time (`chunked_nll`), so the
+  fp32 logits of the whole sequence are never alive. `params` needs only the non-layer
+  leaves (norm, head or the tied embedding). Returns a float32 scalar.
+  """
+  head = lambda h: Llama(config).apply({"params": params}, h, method=Llama.head)
+  return chunked_nll(head, x, targets, config.loss_chunk)
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
@@ -455,7 +450,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int, causal: bool = True) -> f
 class LlamaLM:
   """The model as zerojax's train step wants it: pure functions of (params, inputs).
 
-  Same interface as `MlpLM`: `init(rng)`, `loss(params, batch, rng)`,
+  Same interface as `MlpLM`: `init(rng)`, `loss(params, batch, rng)`, `layered()`,
   `logical_axes()`, `param_shapes()`, plus `logits(params, tokens)`.
   """
   config: LlamaConfig
@@ -478,6 +473,18 @@ class LlamaLM:
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     return logits(self.config, params, tokens)
+
+  def layered(self) -> LayeredLoss:
+    """`loss` cut at its layer loop, for gradient release (`zerojax.release`). The
+    rotary tables are made inside each layer from the sequence length: constants, so
+    nothing differentiates them and no layer input saves them."""
+    c = self.config
+    return LayeredLoss(
+        embed=lambda rest, batch: Llama(c).apply(
+            {"params": rest}, batch["tokens"][:, :-1], method=lambda m, t: m.embed_tokens(t)),
+        layer=lambda p, x: apply_block(c, p, x, *rope_tables(c, x.shape[1])),
+        head_loss=lambda rest, x, batch: head_loss(c, rest, x, batch["tokens"][:, 1:]),
+        stack="layers")
 
   def flops_per_token(self, seq_len: int) -> float:
     return flops_per_token(self.config, seq_len)
