@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from test_train import REPO, run_train
+from test_train import REPO, TINY, run_train
 
 from zerojax import exits
 
@@ -14,15 +14,19 @@ BASE = os.path.join(REPO, "configs", "base.py")
 MLP = ("--config", BASE, "--config.model.name=mlp_lm", "--config.optimizer.warmup_steps=1",
        "--config.train.seq_len=32", "--config.train.eval_every=0",
        "--config.train.log_every=1")
+LLAMA = ("--config", TINY, "--config.optimizer.warmup_steps=1", "--config.zero.stage=3",
+         "--config.train.eval_every=0", "--config.train.log_every=1")
 
 
-def test_release_trains_like_the_normal_step(tmp_path):
+@pytest.mark.parametrize("config", [MLP, LLAMA], ids=["mlp_lm", "llama"])
+def test_release_trains_like_the_normal_step(tmp_path, config):
   """bf16 params, Kahan AdamW with bf16 moments (the defaults), 8 steps at stage 3: the
-  same losses as without release, within bf16 noise, and no skipped layer."""
+  same losses as without release, within bf16 noise, and no skipped layer. Llama: the
+  quick start's config (remat 'dots'; release saves only each layer's input)."""
   losses = {}
   for release in (False, True):
     workdir = tmp_path / str(release)
-    result = run_train(*MLP, "--config.train.steps=8", "--config.optimizer.grad_clip=0",
+    result = run_train(*config, "--config.train.steps=8", "--config.optimizer.grad_clip=0",
                        f"--config.optimizer.release={release}", f"--config.workdir={workdir}")
     assert result.returncode == exits.DONE, result.stderr[-3000:]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

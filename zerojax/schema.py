@@ -125,7 +125,7 @@ _ROWS = (
           range=NON_NEGATIVE),
     Field("optimizer.release", False, "Gradient release: each layer is updated inside the "
           "backward pass, so no fp32 gradient of the layer stack exists (zero.stage 3, "
-          "model mlp_lm, microbatches 1, grad_clip 0)."),
+          "microbatches 1, grad_clip 0)."),
     # train
     Field("train.steps", 200, "Optimizer steps.", range=POSITIVE),
     Field("train.global_batch_size", 16, "Sequences per optimizer step, over all devices and "

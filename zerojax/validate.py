@@ -201,9 +201,6 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
       ("optimizer.update_rule", o.update_rule == "stochastic",
        "update_rule 'stochastic' is not elementwise (its random bits depend on the shape)",
        "use update_rule 'kahan'"),
-      ("model.name", config.model.name != "mlp_lm",
-       f"model.name={config.model.name!r}: only mlp_lm exposes its layer loop so far",
-       "use model.name='mlp_lm'"),
   ]
   for key, bad, problem, fix in problems:
     if bad:
