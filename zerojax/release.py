@@ -168,13 +168,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     rest_dims = {k: v for k, v in dims.items() if k != stack}
 
     x, embed_vjp = jax.vjp(lambda r: parts.embed(view(r), batch), rest32)
-    # The stack is scanned as its bits: XLA:CPU gathers in fp32 and would otherwise
-    # hoist the upcast of the whole stack out of the loop (`stage3.to_bits`).
-    unbits = lambda bits: jax.tree.map(stage3.from_bits, bits, plan.params[stack])
+    # The stack is scanned as it is stored. Scanning its bits instead (`stage3.to_bits`)
+    # stops XLA:CPU's loop-invariant code motion from hoisting the fp32 upcast of its
+    # gathers out of the loop, but costs a copy of the stack in them (15.8 GiB a device
+    # for the 70B at 8 devices); that pass is off where memory counts
+    # (`devices.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
     x, inputs = jax.lax.scan(
-        lambda x, bits: (parts.layer(gathered(unbits(bits)), x),
-                         jax.tree.map(stage3.to_bits, x)),
-        x, jax.tree.map(stage3.to_bits, params[stack]))
+        lambda x, layer: (parts.layer(gathered(layer), x), jax.tree.map(stage3.to_bits, x)),
+        x, params[stack])
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
