@@ -60,6 +60,22 @@ def test_70b_at_10_bytes_per_param_fits_8x141gb_not_8x80gb():
   assert e.state == pytest.approx(8 * e.params / 8, rel=1e-3)
 
 
+def test_release_holds_no_fp32_gradient_of_the_layer_stack():
+  """Gradient release: of the fp32 gradients only the non-layer leaves' shards and one
+  layer's (each beside its fp32 copy); Lion + Kahan is then 6 B/param of state plus the
+  embedding's and head's gradients."""
+  lion = ("train.global_batch_size=8", "optimizer.name=lion", "optimizer.grad_clip=0")
+  normal = estimate_70b(*lion, devices=8)
+  release = estimate_70b(*lion, "optimizer.release=True", devices=8)
+  counts = memory.param_counts(release.setup)
+  assert normal.components["gradients"] == 4 * counts.local  # stage3.scan_layers.
+  assert release.components["gradients"] == 8 * (counts.local - counts.local_layers
+                                                  + counts.local_layers // 80)
+  assert release.state == normal.state
+  assert normal.total - release.total > 3 * counts.local_layers
+  assert 6 < release.bytes_per_param < 6.1 and normal.bytes_per_param == 8
+
+
 def test_stages_shard_what_zero_says():
   by_stage = {k: estimate_70b(f"zero.stage={k}", devices=64).components for k in range(4)}
   psi = estimate_70b().params
@@ -101,8 +117,8 @@ def test_state_matches_the_plan_exactly():
 # -------------------------------------------------------------------- suggestions
 
 
-KINDS = ("Kahan", "ZeRO stage", "bf16 optimizer state", "remat", "microbatches", "Lion",
-         "devices of this size")
+KINDS = ("Kahan", "ZeRO stage", "bf16 optimizer state", "remat", "gradient release",
+         "microbatches", "Lion", "devices of this size")
 
 
 def kind(suggestion) -> int:
@@ -113,15 +129,21 @@ def kind(suggestion) -> int:
     # DeepSpeed-like (fp32 master, fp32 Adam) on 16 x 88 GB: Kahan alone fits.
     (("optimizer.update_rule=master", "optimizer.state_dtype=float32",
       "train.global_batch_size=16"), 16, 88 * GB,
-     ["Kahan", "bf16 optimizer state", "Lion", "32 devices of this size"]),
+     ["Kahan", "bf16 optimizer state", "gradient release", "Lion", "32 devices of this size"]),
     # The same at stage 2 on 16 x 80 GB: no one change is enough; together, cheapest first.
     (("optimizer.update_rule=master", "optimizer.state_dtype=float32", "zero.stage=2",
       "train.global_batch_size=16"), 16, 80 * GB,
      ["Kahan + ZeRO stage 3 + bf16 optimizer state"]),
     # The 70B recipe at stage 1 on 64 x 80 GB: only stage 3 (params 141 GB whole below it).
     (("zero.stage=1",), 64, 80 * GB, ["ZeRO stage 3"]),
-    # Four sequences per device, remat dots: remat full (microbatches are not enough).
-    (("model.remat=dots", "train.global_batch_size=256"), 64, 80 * GB, ["remat full"]),
+    # Four sequences per device, remat dots: remat full (microbatches are not enough), or
+    # release, which saves only layer inputs too.
+    (("model.remat=dots", "train.global_batch_size=256"), 64, 80 * GB,
+     ["remat full", "gradient release"]),
+    # The seed's question, the 70B with AdamW + Kahan on 8 x 80 GB: short by 33 GiB; no
+    # one change is enough; release and Lion together (configs/70b_8x80gb.py).
+    (("train.global_batch_size=8",), 8, 80 * 2**30,
+     ["gradient release (stage 3, no global-norm clipping) + Lion", "16 devices of this size"]),
     # 16 sequences per device: the fewest microbatches that fit.
     (("train.global_batch_size=1024",), 64, 80 * GB, ["4 microbatches of 4 sequence"]),
 ])
@@ -203,3 +225,23 @@ def test_estimate_within_10_percent_of_compiled():
     assert attributed.get("saved activations", 0) > 0, (name, attributed)
   big = results[2]
   assert big["attributed"]["saved activations"] == big["components"]["saved activations"]
+
+
+def test_release_estimate_within_5_percent_of_compiled_for_70b_on_8():
+  """configs/70b_8x80gb.py (Lion + Kahan + release) compiled on 8 fake CPU devices: at
+  most 70 GiB a device (an 80 GB device is 74.5 GiB) and the estimate within 5%. The
+  tiny config with release: within 15% (measured 0.88: a layer's backward without remat
+  inside it keeps more than the planner's working set at this size, as remat 'full'
+  does, 0.79)."""
+  runs = [("70b_8x80gb.py", 0.95, 1.05), ("tiny.py", 0.85, 1.1)]
+  with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+    results = list(pool.map(lambda r: run_cli(
+        "--config", os.path.join(CONFIGS, r[0]), "--devices", "8", "--device-memory", "80GiB",
+        "--config.optimizer.release=True", "--config.optimizer.grad_clip=0",
+        "--config.zero.stage=3"), runs))
+  for (name, low, high), r in zip(runs, results):
+    compiled = r["compiled"]["arguments"] + r["compiled"]["temporaries"]
+    assert r["compiled"]["arguments"] == pytest.approx(r["state"], abs=64), name
+    assert low < r["total"] / compiled < high, (name, r["total"], compiled)
+  assert results[0]["compiled"]["arguments"] + results[0]["compiled"]["temporaries"] <= 70 * 2**30
+  assert results[0]["fits"]

@@ -50,6 +50,8 @@ def _labels(s: RunSpec) -> dict:
   grads = {"psum_scatter_in_gather": "local shards",
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
                b.grad_reduction, "whole + fp32 params")
+  if s.release:
+    grads = "non-layer + one layer, x2"
   buffer_dtype = "float32" if s.update_rule == "master" else s.param_dtype
   return {
       "params": f"params ({s.param_dtype}{shard(b.shards_params)})",
@@ -58,7 +60,8 @@ def _labels(s: RunSpec) -> dict:
       "layer gradients": f"layer gradients, stacked ({s.param_dtype})",
       "gradients": f"gradients ({s.reduce_dtype}, {grads})",
       "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",
-      "saved activations": f"saved activations (remat {s.remat})",
+      "saved activations": "saved activations (" + (
+          "release: layer inputs" if s.release else f"remat {s.remat}") + ")",
       "working set": "one layer's recompute + backward",
       "gathered layer": "gathered layer (fp32 on XLA:CPU)",
       "gathered head": "gathered head/embedding + a copy",
@@ -73,20 +76,21 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   """The plan as text: conventional bytes/param, per-device components (estimate and,
   if given, compiled), total, verdict."""
   s, c = e.setup, e.conventional
-  held = c["params"] + DTYPE_BYTES[s.reduce_dtype] + c["optimizer"]
+  grads = 0 if s.release else DTYPE_BYTES[s.reduce_dtype]  # Release: one layer's at a time.
+  held = c["params"] + grads + c["optimizer"]
   k = c["optimizer"]
   lines = [
       f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
       f"ZeRO stage {s.stage}".replace("  ", " "),
       f"  {_count(e.params)} params; per device {s.batch} x {s.seq_len} tokens x "
       f"{s.microbatches} microbatch(es); remat {s.remat}; {s.optimizer}, {s.state_dtype} state, "
-      f"{s.update_rule} updates",
-      f"model state as users count it: params {c['params']} + gradients {c['gradients']} + "
+      f"{s.update_rule} updates" + ("; gradient release" if s.release else ""),
+      f"model state as users count it: params {c['params']} + gradients {c['gradients']:.3g} + "
       f"optimizer {k:g} = {e.bytes_per_param:g} B/param = {_gb(e.params * e.bytes_per_param)} "
       f"in all; per device at stage {s.stage}: {_gb(e.conventional_per_device)}",
       f"what zerojax holds: params {c['params']} + optimizer {k:g} (state) + {s.reduce_dtype} "
-      f"gradients {DTYPE_BYTES[s.reduce_dtype]} (temporaries) = {held:g} B/param before sharding, "
-      "plus activations:"]
+      f"gradients {grads} (temporaries{'; release: one layer at a time' if s.release else ''}) "
+      f"= {held:g} B/param before sharding, plus activations:"]
   head = f"  {'component (per device)':44s} {'estimate':>11s}"
   if compiled:
     head += f" {'compiled':>11s}  est/comp"

@@ -85,6 +85,7 @@ class RunSpec:
   batch: int  # Sequences per device per microbatch.
   microbatches: int
   seq_len: int
+  release: bool  # Gradient release (`zerojax.release`): stage 3, one microbatch.
   # The model's own (shape, logical axes) of every parameter leaf (`param_shapes()`).
   param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
 
@@ -105,7 +106,7 @@ class RunSpec:
         update_rule=o.update_rule, momentum=o.momentum, stage=config.zero.stage,
         min_shard_size=config.zero.min_shard_size, data=data, fsdp=fsdp,
         batch=max(t.global_batch_size // (data * fsdp * t.microbatches), 1),
-        microbatches=t.microbatches, seq_len=t.seq_len,
+        microbatches=t.microbatches, seq_len=t.seq_len, release=o.release,
         param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes))
 
   @property
@@ -220,13 +221,17 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   H, kv = s.n_heads, s.n_kv_heads * (s.d_model // s.n_heads)
   moments = {"adamw": 2, "lion": 1, "sgd": 1 if s.momentum else 0}[s.optimizer]
   rule = {"kahan": pb, "master": 4}.get(s.update_rule, 0)
-  conventional = dict(params=pb, gradients=4 if s.update_rule == "master" else pb,
-                      optimizer=moments * sb + rule)
+  other = P - counts.layers
+  # With release only the leaves outside the layer stack keep a gradient.
+  conventional = dict(params=pb, gradients=(4 if s.update_rule == "master" else pb)
+                      * (other / P if s.release else 1), optimizer=moments * sb + rule)
+  # Release saves each layer's input and recomputes it in its backward loop whatever the
+  # remat policy: the activations of remat 'full'.
+  remat = "full" if s.release else s.remat
 
   behaviour = s.behaviour
   local = counts.local if behaviour.shards_opt_state else P  # Sharded state per device.
-  other = P - counts.layers
-  full = s.remat == "full" and s.model == "llama"  # stage3.scan_layers: fp32 params = grads.
+  full = remat == "full" and s.model == "llama"  # stage3.scan_layers: fp32 params = grads.
   comp = {"params": pb * (counts.local if behaviour.shards_params else P),
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
@@ -238,7 +243,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   # once after the whole-gradient accumulation (scattered or all-reduced).
   in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
   layer_grads = 0 if in_gather else pb * counts.layers
-  if in_gather:
+  if s.release:  # The non-layer shards and one layer's, each in fp32 and its gradient.
+    grads = gb * 2 * (counts.local - counts.local_layers + counts.local_layers // L)
+  elif in_gather:
     grads = gb * (counts.local if full else counts.local + counts.local_layers)
   elif behaviour.grad_reduction == "psum_scatter_per_microbatch":
     grads = gb * (counts.local + counts.largest)
@@ -248,12 +255,12 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
 
   # Activations of one microbatch. Saved for the backward pass, per layer and token:
   if s.model == "mlp_lm":  # Rough: not calibrated.
-    width = {"full": D, "dots": 2 * D + F, "none": (s.context + 4) * D + 3 * F}[s.remat]
+    width = {"full": D, "dots": 2 * D + F, "none": (s.context + 4) * D + 3 * F}[remat]
   else:  # none: also the norms' fp32 inputs and outputs (4 D of 4 bytes = 8 D of 2).
     width = {"full": D, "dots": 3 * D + 2 * kv + 2 * F,
-             "none": 3 * D + 2 * kv + 6 * F + 8 * D}[s.remat]
+             "none": 3 * D + 2 * kv + 6 * F + 8 * D}[remat]
   saved = L * n * width * cb
-  if s.remat == "none" and behaviour.shards_params:
+  if remat == "none" and behaviour.shards_params:
     saved += pb * counts.layers  # Every layer's gathered weights, kept for the backward.
   # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
   # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
@@ -266,7 +273,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
     attention = 0
   mlp = n * F * (5 * cb + 4) + 5 * n * D * 4
   working = {"full": max(mlp, attention), "dots": attention + 2 * n * width * cb,
-             "none": n * (2 * F * cb + 12 * D * 4)}[s.remat]
+             "none": n * (2 * F * cb + 12 * D * 4)}[remat]
   loss = b * min(s.loss_chunk, T) * V * 4  # A chunk of fp32 logits (or their gradient).
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
@@ -312,7 +319,9 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
 
   Cost to training: Kahan matches fp32 master weights (WORKSPACE: stall table); a stage
   adds communication; bf16 moments lose precision; remat recomputes (full: ~1/3 more
-  FLOPs); microbatches lower per-device efficiency; Lion is another optimizer to tune.
+  FLOPs); gradient release recomputes as remat full does and leaves no global gradient
+  norm to clip by and one microbatch a step; microbatches lower per-device efficiency;
+  Lion is another optimizer to tune.
   """
   kinds = []
   if s.update_rule == "master":
@@ -326,6 +335,12 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
                    ("optimizer.state_dtype=bfloat16",), dict(state_dtype="bfloat16"))])
   kinds.append([(f"remat {r}", (f"model.remat={r}",), dict(remat=r))
                 for r in _REMAT_ORDER[_REMAT_ORDER.index(s.remat) + 1:]])
+  # What `validate._check_release` accepts: stage 3 over more than one shard, one
+  # microbatch, an elementwise update rule, no float16.
+  if (not s.release and s.behaviour.stage == 3 and s.microbatches == 1
+      and s.update_rule != "stochastic" and "float16" not in (s.param_dtype, s.compute_dtype)):
+    kinds.append([("gradient release (stage 3, no global-norm clipping)",
+                   ("optimizer.release=True", "optimizer.grad_clip=0"), dict(release=True))])
   kinds.append([(f"{s.microbatches * k} microbatches of {s.batch // k} sequence(s) per device",
                  (f"train.microbatches={s.microbatches * k}",),
                  dict(microbatches=s.microbatches * k, batch=s.batch // k))
@@ -372,6 +387,8 @@ def suggestions(config, devices: int | None = None,
   changes, overrides, fields = [], (), {}
   for levels in kinds:  # Together, cheapest first, each kind at its strongest level.
     change, more, f = levels[-1]
+    if fields.get("release") and "microbatches" in f:
+      continue  # Release runs one microbatch a step.
     changes, overrides, fields = changes + [change], overrides + more, {**fields, **f}
     e = estimate(dataclasses.replace(s, **fields), device_memory=device_memory)
     if e.fits and not out:
