@@ -1,8 +1,9 @@
 """Compiled temporaries of a stage-3 step with and without gradient release.
 
 Compiles (never runs) the normal stage-3 step and the release step of a bf16 MlpLM
-with Kahan AdamW (bf16 moments) on 8 fake CPU devices, and prints XLA's temporary
-bytes and the largest fp32 buffers alive at each program's peak:
+with Kahan AdamW (bf16 moments) on 8 fake CPU devices with the XLA:CPU memory flags
+(as train.py and the planner compile), and prints XLA's temporary bytes and the
+largest fp32 buffers alive at each program's peak:
 
   python benchmarks/release_memory.py --layers 16 --d_model 512 --d_ff 2048
 """
@@ -19,7 +20,7 @@ def main():
   parser.add_argument("--d_model", type=int, default=128)
   parser.add_argument("--d_ff", type=int, default=512)
   args = parser.parse_args()
-  fake_cpu_devices(8, memory_flags=False)
+  fake_cpu_devices(8)
   # pylint: disable=import-outside-toplevel  (JAX starts after the device flags)
   import jax
   import jax.numpy as jnp
