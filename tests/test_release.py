@@ -96,17 +96,24 @@ def test_release_step_equals_the_normal_step(model_name, name, rule, mesh_shape,
   assert int(release.step) == 5
 
 
-def test_release_holds_no_fp32_gradient_of_the_layer_stack():
+@pytest.mark.parametrize("model, shrink", [
+    (MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
+           param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, remat="full"), 1.0),
+    (LlamaLM(LlamaConfig(vocab_size=64, d_model=128, d_ff=512, n_layers=16, n_heads=4,
+                         n_kv_heads=2, attention_block=8, loss_chunk=8, remat="full")), 0.75)],
+    ids=["mlp_lm", "llama"])
+def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink):
   """bf16 params, Kahan AdamW: the normal step's buffers include fp32 arrays the shape
   of the layer stacks' local shards (their gradients); the release step's include none,
-  nor a copy of the stack in its bits, its temporaries shrink by at least that gradient,
-  and its largest fp32 temporaries alive at the peak are one layer's. Compiled as
-  train.py and the planner compile (`devices.CPU_MEMORY_FLAGS`): without them XLA:CPU
-  hoists the fp32 upcast of the stack for its gathers out of the forward loop."""
-  bf16 = jnp.bfloat16
-  model = MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
-                param_dtype=bf16, compute_dtype=bf16, remat="full")
-  tx = optim.adamw(1e-3, b2=0.95, state_dtype=bf16, update_rule="kahan")
+  nor a copy of the stack in its bits, its temporaries shrink by at least `shrink` x
+  that gradient, and its largest fp32 temporaries alive at the peak are one layer's.
+  MlpLM's normal step holds the fp32 stack twice (params made for differentiation and
+  gradient); Llama's once (`stage3.scan_layers` writes the gradient over it), while
+  release holds one layer's fp32 shard and gradient: at 16 layers over 8 devices the
+  temporaries shrink by 0.79 of it (measured). Compiled as train.py and the planner
+  compile (`devices.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the fp32 upcast of
+  the stack for its gathers out of the forward loop."""
+  tx = optim.adamw(1e-3, b2=0.95, state_dtype=jnp.bfloat16, update_rule="kahan")
   plan = make(model, tx)
   sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
   batch = {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=sharding)}
@@ -115,7 +122,7 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack():
   shard_shapes = {",".join(map(str, zerojax.zero.local_shape(x.shape, d, plan.num_shards)))
                   for x, d in zip(stack, dims, strict=True)}
   stack_grad = 4 * sum(x.size for x in stack) // plan.num_shards
-  one_layer = 4 * max(x.size for x in stack) // model.n_layers
+  one_layer = 4 * max(x.size // x.shape[0] for x in stack)
 
   def compile_step(step):
     """(compiled, its buffer assignment, its temporaries alive at the peak)."""
@@ -134,7 +141,7 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack():
   assert not fp32_stacks(release_buffers)
   assert not any(f"u16[{s}]" in release_buffers for s in shard_shapes)
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
-  assert temp(release) <= temp(normal) - stack_grad, (temp(release), temp(normal))
+  assert temp(release) <= temp(normal) - shrink * stack_grad, (temp(release), temp(normal))
   fp32_at_peak = [size for size, shape, _ in at_peak if shape.startswith("f32")]
   assert fp32_at_peak and max(fp32_at_peak) <= one_layer, (at_peak[:4], one_layer)
 
