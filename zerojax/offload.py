@@ -36,9 +36,11 @@ def has_host_memory(device: Any) -> bool:
 
 
 def _move(tree: PyTree, mask: PyTree, space: Any) -> PyTree:
-  # Only the masked leaves move: the others (a step count, emptied leaves) are device
-  # values already, and a move of a device value is not one XLA's offloader expects.
-  return jax.tree.map(lambda x, m: jax.device_put(x, space) if m else x, tree, mask)
+  # Only the masked, non-empty leaves move: the others (a step count, the leaves
+  # `updates.LayerViews` empties) are device values already, and a move of a device
+  # value is not one XLA's offloader expects.
+  return jax.tree.map(lambda x, m: jax.device_put(x, space) if m and x.size else x, tree,
+                      mask)
 
 
 def to_device(tree: PyTree, mask: PyTree) -> PyTree:
