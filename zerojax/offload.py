@@ -53,6 +53,14 @@ def to_host(tree: PyTree, mask: PyTree) -> PyTree:
   return _move(tree, mask, jax.memory.Space.Host)
 
 
+def on_device(x: jax.Array) -> jax.Array:
+  """`x` in device memory (moved there if it is a host value), inside a jitted function:
+  the one way code that computes on any state leaf (checksums) reads an offloaded one."""
+  if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+    return jax.device_put(x, jax.memory.Space.Device)
+  return x
+
+
 def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
   """`update(grads, opt_state, params, **kw)` with the offloaded state moved around it.
 
