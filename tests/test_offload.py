@@ -2,15 +2,19 @@
 computes what the normal step computes, its state lives in the host memory space, the
 update moves one layer's state at a time, and checkpoints round-trip it."""
 
+import json
 import re
 
 import jax
 import numpy as np
 import pytest
 from test_release import SMALL, batches, relative
+from test_release_train import MLP
+from test_train import run_train
 
 import zerojax
-from zerojax import checkpoint, optim, zero
+from zerojax import build, checkpoint, exits, optim, zero
+from zerojax.config import ConfigError, base_config
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
 
@@ -197,3 +201,42 @@ def test_checkpoint_round_trip_of_host_state_resumes_exactly(tmp_path):
       resumed, _ = steps[offload](resumed, batch)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(resumed), strict=True):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_train_py_offloads_stops_and_resumes_like_the_normal_step(tmp_path):
+  """train.py, mlp_lm with the defaults (bf16, Kahan AdamW, stage 3): 6 steps with
+  optimizer.offload='host', stopped after 3 (exit 75) and resumed from the checkpoint,
+  give the losses of 6 uninterrupted steps without offload."""
+  common = (*MLP, "--config.train.steps=6", "--config.checkpoint.every_steps=3")
+  normal = run_train(*common, f"--workdir={tmp_path / 'normal'}")
+  assert normal.returncode == exits.DONE, normal.stderr[-3000:]
+  args = (*common, "--config.optimizer.offload=host", f"--workdir={tmp_path / 'offload'}")
+  stopped = run_train(*args, "--stop_after=3")
+  assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
+  resumed = run_train(*args)
+  assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
+  assert "resumed from" in resumed.stdout
+  losses = lambda name: [r["loss"] for r in map(json.loads, (
+      tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+  assert len(losses("normal")) == 6
+  np.testing.assert_allclose(losses("offload"), losses("normal"), rtol=1e-6)
+
+
+class NoHostMemory:
+  """A device whose platform has no pinned host memory (every platform this project runs
+  on has one, so the refusal is tested on this stand-in)."""
+  platform, id = "metal", 0
+
+  def addressable_memories(self):
+    return [type("Memory", (), {"kind": "device"})()]
+
+
+def test_offload_without_host_memory_is_a_config_error():
+  config = base_config()
+  config.optimizer.offload = "host"
+  with pytest.raises(ConfigError) as e:
+    build.check_offload(config, NoHostMemory())
+  assert e.value.key == "optimizer.offload" and "no pinned_host memory" in str(e.value)
+  build.check_offload(config, jax.devices()[0])  # XLA:CPU has one.
+  config.optimizer.offload = "none"
+  build.check_offload(config, NoHostMemory())

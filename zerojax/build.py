@@ -52,9 +52,11 @@ def build(config) -> Built:
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
   loss_scaling = precision.loss_scaling_from_config(c.precision)
+  check_offload(c, jax.devices()[0])
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
                            tx, logical_axes=model.logical_axes(),
-                           min_shard_size=c.zero.min_shard_size)
+                           min_shard_size=c.zero.min_shard_size,
+                           offload=c.optimizer.offload == "host")
   if c.optimizer.release:
     train_step = make_release_step(
         plan, model.layered(), tx, microbatches=t.microbatches,
@@ -70,6 +72,19 @@ def build(config) -> Built:
                                                    jnp.int32, sharding=batch_sharding)}
   return Built(mesh, model, tx, schedule, loss_scaling, plan, train_step, batch_sharding,
                zerojax.abstract_state(plan), abstract_batch)
+
+
+def check_offload(config, device) -> None:
+  """ConfigError (exit 2) for `optimizer.offload='host'` on a `device` that cannot address
+  pinned host memory (validate.py's checks run before JAX is started; this one needs it)."""
+  from zerojax import offload  # pylint: disable=import-outside-toplevel
+  from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
+  if config.optimizer.offload == "host" and not offload.has_host_memory(device):
+    kinds = ", ".join(offload.memory_kinds(device)) or "none"
+    raise ConfigError(
+        f"is 'host', but {device.platform} device {device.id} has no pinned_host memory "
+        f"(its memory kinds: {kinds}).", key="optimizer.offload",
+        fix="use optimizer.offload='none' (the planner's suggestions list other ways to fit)")
 
 
 def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:

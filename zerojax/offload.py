@@ -26,13 +26,17 @@ from zerojax import zero
 PyTree = Any
 
 
+def memory_kinds(device: Any) -> tuple[str, ...]:
+  """The memory kinds `device` can address (none on a platform without memory kinds)."""
+  try:
+    return tuple(m.kind for m in device.addressable_memories())
+  except Exception:  # pylint: disable=broad-except
+    return ()
+
+
 def has_host_memory(device: Any) -> bool:
   """Whether `device` can address host memory of the kind offload uses."""
-  try:
-    kinds = {m.kind for m in device.addressable_memories()}
-  except Exception:  # pylint: disable=broad-except  (platforms without memory kinds)
-    return False
-  return zero.HOST_MEMORY in kinds
+  return zero.HOST_MEMORY in memory_kinds(device)
 
 
 def _move(tree: PyTree, mask: PyTree, space: Any) -> PyTree:
