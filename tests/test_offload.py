@@ -3,6 +3,7 @@ computes what the normal step computes, its state lives in the host memory space
 update moves one layer's state at a time, and checkpoints round-trip it."""
 
 import json
+import math
 import re
 
 import jax
@@ -12,8 +13,9 @@ from test_release import SMALL, batches, relative
 from test_release_train import MLP
 from test_train import run_train
 
+import test_memory
 import zerojax
-from zerojax import build, checkpoint, exits, optim, zero
+from zerojax import build, checkpoint, exits, memory, memory_report, models, optim, units, zero
 from zerojax.config import ConfigError, base_config
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
@@ -240,3 +242,53 @@ def test_offload_without_host_memory_is_a_config_error():
   build.check_offload(config, jax.devices()[0])  # XLA:CPU has one.
   config.optimizer.offload = "none"
   build.check_offload(config, NoHostMemory())
+
+
+def test_planner_moves_the_optimizer_state_to_host_bytes():
+  """The 70B recipe (bf16 params, bf16 AdamW moments, Kahan buffer) on 8 x 80 GiB at one
+  sequence per device: does not fit (short by ~33 GiB); offload is a suggestion that
+  fits. With it, the device keeps 2 B/param / 8 of state and the host 6 B/param / 8
+  (per node: 8 devices' worth); the update adds the streamed state (the largest of the
+  embedding's and head's, and one layer's) to the device's temporaries."""
+  gib = 2 ** 30
+  overrides = ["train.global_batch_size=8"]
+  base = memory.estimate(test_memory.config("70b_bf16.py", *overrides), 8, 80 * gib)
+  assert not base.fits and base.host == {}
+  found = memory.suggestions(base.setup, device_memory=80 * gib)
+  offloaded = next(x for x in found if x.overrides == ("optimizer.offload=host",))
+  e = memory.estimate(test_memory.config("70b_bf16.py", *overrides, "optimizer.offload=host"),
+                      8, 80 * gib)
+  assert e.total == offloaded.estimate.total and e.fits
+  params = e.params
+  assert e.state - e.components["batch"] == pytest.approx(2 * params / 8, rel=1e-3)
+  assert e.host_total == pytest.approx(6 * params / 8, rel=1e-3)
+  assert e.host_per_node == 8 * e.host_total
+  # The peak stays in the backward pass: the device saves exactly the host's bytes.
+  assert e.peak_phase == base.peak_phase and base.total - e.total == e.host_total
+  # Streamed in: embedding + head + final norm (8 devices' shards) at 6 B/param, more
+  # than one layer's (855.7M params / 8).
+  rest = (2 * 128256 * 8192 + 8192) // 8
+  assert e.components["streamed state"] == 6 * rest > 6 * 855_654_400 // 8
+  text = memory_report.format_table(e)
+  assert f"{units.fmt_bytes(e.host_per_node)} per node of 8 device(s)" in text
+
+
+@pytest.mark.parametrize("stage, name", [(1, "tiny.py"), (3, "1b_bf16.py")])
+def test_planner_host_and_device_bytes_match_the_plans_memory_kinds(stage, name):
+  """Bytes of the offloaded plan's state by memory kind (its abstract state's shardings)
+  = the planner's device state and host bytes, to a few bytes (step counts)."""
+  c = test_memory.config(name, f"zero.stage={stage}", "optimizer.offload=host")
+  model = models.from_config(c)
+  tx, _ = optim.optimizer_from_config(c.optimizer, c.train.steps)
+  plan = zerojax.make_plan(zerojax.make_mesh(1, 8), c.zero.stage,
+                           jax.eval_shape(model.init, jax.random.key(0)), tx,
+                           logical_axes=model.logical_axes(),
+                           min_shard_size=c.zero.min_shard_size, offload=True)
+  state = zerojax.abstract_state(plan)
+  by_kind = {"device": 0, "pinned_host": 0}
+  for x in jax.tree.leaves((state.params, state.opt_state)):
+    by_kind[x.sharding.memory_kind] += x.dtype.itemsize * math.prod(
+        x.sharding.shard_shape(x.shape))
+  e = memory.estimate(c, 8)
+  assert by_kind["pinned_host"] == e.host_total > 0
+  assert 0 <= by_kind["device"] - (e.state - e.components["batch"]) <= 64
