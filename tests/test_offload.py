@@ -15,7 +15,9 @@ from test_train import run_train
 
 import test_memory
 import zerojax
-from zerojax import build, checkpoint, exits, memory, memory_report, models, optim, units, zero
+from zerojax import (build, checkpoint, exits, memory, memory_report, models, optim, units,
+                     zero)
+from zerojax import offload as offload_lib
 from zerojax.config import ConfigError, base_config
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
@@ -170,6 +172,9 @@ def test_the_compiled_step_keeps_the_state_in_host_memory_space():
     m = compiled.memory_analysis()
     stats[offload] = (m.argument_size_in_bytes, m.host_argument_size_in_bytes,
                       m.host_temp_size_in_bytes)
+    # What build.compile_step reports as host memory (and takes off the arguments).
+    assert offload_lib.host_parameter_bytes(compiled.as_text()) == sum(
+        4 * math.prod(int(n) for n in x[4:-1].split(",")) for x in want)
   assert stats[True] == stats[False] and stats[True][1:] == (0, 0)
 
 

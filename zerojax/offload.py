@@ -16,6 +16,7 @@ keeps host and device in the same RAM and lowers them to nothing, so on CPU an
 offloaded step computes exactly what the normal step computes.
 """
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -86,3 +87,28 @@ def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
     return new_params, to_host(new_state, mask), squares
 
   return run
+
+
+# Bytes per element of the HLO element types a train state holds.
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def host_parameter_bytes(hlo_text: str) -> int:
+  """Bytes of a compiled module's entry parameters laid out in host memory (memory space
+  S(5) in its `entry_computation_layout`), per device.
+
+  XLA:CPU has one memory space for its buffers and counts these among the arguments of
+  `memory_analysis()` (its host_* fields stay 0); this is how much of them is host memory.
+  """
+  start = hlo_text.index("entry_computation_layout={")
+  params = hlo_text[start:hlo_text.index(")->", start)]
+  return sum(_HLO_BYTES[t] * _product(dims) for t, dims in re.findall(
+      r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}", params))
+
+
+def _product(dims: str) -> int:
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n
