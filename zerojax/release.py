@@ -159,8 +159,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
     (with microbatches, the root mean square of the microbatch gradients' global
     norms: at least the accumulated gradient's), update_norm, tokens, skipped (1 if
-    the non-stacked leaves were not updated), skipped_layers (layer updates skipped,
-    summed over microbatches), consecutive_skips, loss_scale and learning_rate.
+    any layer or the non-stacked leaves were not updated: the step counts toward
+    `consecutive_skips`), skipped_layers (layer updates skipped, summed over
+    microbatches), consecutive_skips, loss_scale and learning_rate.
 
   Raises:
     ValueError: for what release does not support (`check_release`).
@@ -291,7 +292,10 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     loss, grad_sq, skipped_layers, skipped, update_sq = sums
     metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
                    update_norm=jnp.sqrt(update_sq),
-                   skipped=jnp.minimum(skipped, 1.0), skipped_layers=skipped_layers)
+                   # Any skipped part makes the step count as skipped (train.py's
+                   # max_consecutive_skips reads it); skipped_layers says how much.
+                   skipped=jnp.minimum(skipped + skipped_layers, 1.0),
+                   skipped_layers=skipped_layers)
     return params, opt_state, metrics
 
   shardings = step_lib.state_shardings(plan)
@@ -302,7 +306,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         local, mesh=plan.mesh, in_specs=(plan.param_specs, plan.opt_specs, plan.batch_spec),
         out_specs=(plan.param_specs, plan.opt_specs, P()), check_vma=False)(
             state.params, state.opt_state, batch)
-    applied = (metrics["skipped"] == 0) & (metrics["skipped_layers"] == 0)
+    applied = metrics["skipped"] == 0
     loss_scale = precision.update_loss_scale(state.loss_scale, applied, loss_scaling)
     metrics.update(tokens=jnp.asarray(step_lib.leading_size(batch), jnp.float32),
                    consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),
