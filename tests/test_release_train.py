@@ -3,12 +3,15 @@ cannot do exits 2 naming the keys."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from test_train import REPO, run_train
+from test_train import REPO, TRAIN, run_train
 
 from zerojax import exits
+from zerojax.devices import fake_devices_env
 
 BASE = os.path.join(REPO, "configs", "base.py")
 MLP = ("--config", BASE, "--config.model.name=mlp_lm", "--config.optimizer.warmup_steps=1",
@@ -64,6 +67,35 @@ def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   skipped = [r for r in records if r.get("skipped") and "skipped_layers" in r]
   assert skipped and all(r["skipped_layers"] > 0 for r in skipped), records
+
+
+def test_release_on_2_processes_matches_1_process(tmp_path):
+  """fp32, optimizer accumulation over 2 microbatches, clipping by the previous norm:
+  `zerojax.launch` 2 processes x 4 CPU devices (gloo collectives between them) give the
+  losses of 1 process x 8 devices, step by step, within fp32 reduction-order noise."""
+  args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
+          "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
+          "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.5",
+          "--config.optimizer.schedule=constant", "--config.precision.param_dtype=float32",
+          "--config.precision.compute_dtype=float32", "--config.optimizer.state_dtype=float32",
+          "--config.optimizer.update_rule=nearest")
+  one = run_train(*args, f"--config.workdir={tmp_path / 'one'}")
+  assert one.returncode == exits.DONE, one.stderr[-3000:]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "JAX_COORD"))}
+  two = subprocess.run(
+      [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+       "--", sys.executable, TRAIN, *args, f"--config.workdir={tmp_path / 'two'}"],
+      cwd=REPO, env=fake_devices_env(1, base=env), capture_output=True, text=True,
+      timeout=300)
+  assert two.returncode == exits.DONE, two.stderr[-3000:]
+  losses = {}
+  for run, processes in (("one", 1), ("two", 2)):
+    records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert records[0]["processes"] == processes and records[0]["devices"] == 8
+    losses[run] = [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+  assert [s for s, *_ in losses["two"]] == list(range(1, 7))
+  np.testing.assert_allclose(np.array(losses["two"]), np.array(losses["one"]), rtol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, key, also", [
