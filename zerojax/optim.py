@@ -42,11 +42,12 @@ of gradients g_1..g_n (g_bar = their mean, what gradient accumulation would use)
 * AdamW: mu = b1 mu + (1 - b1) g_bar exactly; nu = b2 nu + (1 - b2) mean_k(g_k^2),
   which is the true nu plus (1 - b2) var_k(g_k) >= 0 (the microbatches' variance), so
   each update is at most as large as accumulation's. The count advances once.
-* Lion: the momentum mu = b2 mu + (1 - b2) g_bar exactly; the direction
+* Lion: the momentum mu = b2 mu + (1 - b2) g_bar exactly; for n > 1 the direction
   sign(b1 m + (1 - b1) g_n) reads m, the momentum before the last microbatch's share
   (b2 mu + (1 - b2) sum_{k<n} g_k / n), instead of sign(b1 mu + (1 - b1) g_bar):
   the old momentum weighs b1 b2 instead of b1, the last microbatch (1 - b1) instead of
-  (1 - b1) / n, the others b1 (1 - b2) / n instead of (1 - b1) / n.
+  (1 - b1) / n, the others b1 (1 - b2) / n instead of (1 - b1) / n (one buffer cannot
+  hold both the old momentum and the step's gradient sum).
 
 With one microbatch (decay True, weight 1) both are the plain update, bit for bit.
 """
@@ -471,6 +472,8 @@ def optimizer_from_config(cfg_optimizer, total_steps: int, *, mask: Mask = None,
 
   Returns:
     (tx, schedule): the schedule is also what the step reports as `learning_rate`.
+    With `release` and `release_clipping='previous_norm'`, tx carries the previous
+    step's gradient norm in its state (`carry_grad_norm`).
   """
   c = cfg_optimizer
   schedule = learning_rate_schedule(c, total_steps)

@@ -23,12 +23,25 @@ optimizer (`optim.LeafwiseTransformation`) an update of a shard with its gradien
 shard is that shard of the whole update, so with one microbatch and no clipping a
 release step computes what `make_train_step` computes.
 
-What release changes: a layer whose gradient is not finite (on any device) is not
-updated and the step reports how many were skipped (`skipped_layers`); the step
-counts as skipped for `consecutive_skips` if any part was. Refused for now, each with
-a ValueError: microbatches > 1 (needs optimizer accumulation), global-norm clipping
-(needs every gradient first), dynamic loss scaling (fp16), optimizers that are not
-leafwise.
+What release changes, each chosen explicitly (`check_release` refuses the rest):
+
+- **Non-finite gradients** are checked per layer (on any device): such a layer is not
+  updated, `skipped_layers` counts it, and the step counts as skipped (`skipped`,
+  `consecutive_skips`), so a run of them stops train.py (`max_consecutive_skips`).
+- **Microbatches** (`accumulation='optimizer'`): there is no gradient accumulator. The
+  microbatches run one after another, each with its own forward and released backward
+  pass; in all but the last the moments absorb the layer's gradient and the params do
+  not move (`optim.absorb`), in the last the update runs. So every forward pass sees
+  the same params, as with gradient accumulation, but AdamW's nu averages the squared
+  microbatch gradients and Lion's direction reads mostly the last microbatch (the
+  math: `zerojax.optim`'s docstring).
+- **Clipping** (`clipping`): the global norm exists only after every layer was updated,
+  so either the previous step's norm, carried in the optimizer state
+  (`optim.carry_grad_norm`; the first step is unclipped), or each layer's own norm
+  ('per_layer': each layer, and the non-stacked leaves as one group, to max_grad_norm).
+- **Dynamic loss scaling** (fp16) is refused: an overflow is known only after layers
+  were updated, and an update cannot be undone without a copy of the state.
+- Optimizers that are not leafwise are refused.
 """
 
 from collections.abc import Callable
