@@ -71,11 +71,14 @@ def main():
     evaluate = zerojax.make_eval_step(built.plan, built.model.loss)
     put = lambda t: data.global_batch({"tokens": t}, built.batch_sharding)
     for seed in args.seeds:
-      state = zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(seed),
-                                 built.loss_scaling)
+      state = jax.block_until_ready(zerojax.init_state(
+          built.plan, built.model.init, built.tx, jax.random.key(seed), built.loss_scaling))
       for step in range(args.steps):
         state, metrics = built.train_step(
             state, put(data.batch_at(tokens, step, args.batch, args.seq_len, seed)))
+        # One program with collectives in flight at a time: on a loaded host XLA:CPU's
+        # 8 device threads can otherwise starve each other's rendezvous (as train.py).
+        jax.block_until_ready(metrics)
       assert not float(metrics["skipped"]), (arm, seed)
       loss = np.mean([float(evaluate(state.params, put(data.batch_at(
           held_out, i, args.batch, args.seq_len, 10_000)))["loss"])

@@ -71,18 +71,21 @@ def test_release_step_equals_the_normal_step(name, rule, mesh_shape, dtype):
   assert int(release.step) == 5
 
 
-def test_release_holds_no_fp32_gradient_of_the_layer_stack():
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_release_holds_no_fp32_gradient_of_the_layer_stack(microbatches):
   """bf16 params, Kahan AdamW: the normal step's buffers include fp32 arrays the shape
-  of the layer stacks' local shards (their gradients); the release step's include none,
-  its temporaries shrink by at least that gradient, and its largest fp32 temporaries
-  alive at the peak are one layer's."""
+  of the layer stacks' local shards (their gradients, and with microbatches their
+  accumulator); the release step's include none (with optimizer accumulation: no
+  accumulator either), its temporaries shrink by at least that gradient, and its
+  largest fp32 temporaries alive at the peak are one layer's."""
   bf16 = jnp.bfloat16
   model = MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
                 param_dtype=bf16, compute_dtype=bf16, remat="full")
   tx = optim.adamw(1e-3, b2=0.95, state_dtype=bf16, update_rule="kahan")
   plan = make(model, tx)
   sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
-  batch = {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=sharding)}
+  batch = {"tokens": jax.ShapeDtypeStruct((8 * microbatches, 17), jnp.int32,
+                                          sharding=sharding)}
   stack = jax.tree.leaves(plan.params["layers"])
   dims = jax.tree.leaves(plan.param_dims["layers"], is_leaf=lambda d: d is None)
   shard_shapes = {",".join(map(str, zerojax.zero.local_shape(x.shape, d, plan.num_shards)))
@@ -99,9 +102,10 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack():
         return compiled, f.read(), xla_dump.live_at_peak(dump)
 
   fp32_stacks = lambda buffers: {s for s in shard_shapes if f"f32[{s}]" in buffers}
-  normal, normal_buffers, _ = compile_step(zerojax.make_train_step(plan, model.loss, tx))
-  release, release_buffers, at_peak = compile_step(make_release_step(plan, model.layered(),
-                                                                     tx))
+  normal, normal_buffers, _ = compile_step(zerojax.make_train_step(
+      plan, model.loss, tx, microbatches=microbatches))
+  release, release_buffers, at_peak = compile_step(make_release_step(
+      plan, model.layered(), tx, microbatches=microbatches, accumulation="optimizer"))
   assert fp32_stacks(normal_buffers) == shard_shapes  # The check sees the gradients.
   assert not fp32_stacks(release_buffers)
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
