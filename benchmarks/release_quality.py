@@ -34,6 +34,7 @@ def overrides(args, release: bool, microbatches: int) -> list[str]:
       "model.d_ff=384", f"train.seq_len={args.seq_len}", f"train.steps={args.steps}",
       f"train.global_batch_size={args.batch}", f"train.microbatches={microbatches}",
       "optimizer.grad_clip=0", f"optimizer.warmup_steps={args.steps // 10}",
+      f"optimizer.learning_rate={args.learning_rate}",
       f"optimizer.release={release}",
       f"optimizer.release_accumulation={'optimizer' if release and microbatches > 1 else 'none'}"]
 
@@ -47,6 +48,8 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--eval_batches", type=int, default=8)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--learning_rate", type=float, default=3e-3)
+  parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                     "release_quality.json"))
   args = parser.parse_args()
@@ -63,7 +66,8 @@ def main():
   base = os.path.join(ROOT, "configs", "base.py")
   finals: dict[str, list[float]] = {}
   start = time.perf_counter()
-  for arm, (release, micro) in ARMS.items():
+  for arm in args.arms:
+    release, micro = ARMS[arm]
     micro = micro or args.microbatches
     config = zc.load_config(base, overrides(args, release, micro), num_devices=8)
     built = build(config)
@@ -87,7 +91,7 @@ def main():
       print(f"{arm:20s} seed {seed}: held-out loss {loss:.4f}", flush=True)
 
   rows = []
-  for ours, theirs in PAIRS:
+  for ours, theirs in [p for p in PAIRS if set(p) <= set(finals)]:
     ratio = np.array(finals[ours]) / np.array(finals[theirs])
     rows.append([ours, theirs, " ".join(f"{x:.4f}" for x in finals[ours]),
                  " ".join(f"{x:.4f}" for x in finals[theirs]),
