@@ -35,6 +35,7 @@ def overrides(args, release: bool, microbatches: int) -> list[str]:
       f"train.global_batch_size={args.batch}", f"train.microbatches={microbatches}",
       "optimizer.grad_clip=0", f"optimizer.warmup_steps={args.steps // 10}",
       f"optimizer.learning_rate={args.learning_rate}",
+      f"optimizer.state_dtype={args.state_dtype}",
       f"optimizer.release={release}",
       f"optimizer.release_accumulation={'optimizer' if release and microbatches > 1 else 'none'}"]
 
@@ -49,6 +50,7 @@ def main():
   parser.add_argument("--eval_batches", type=int, default=8)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   parser.add_argument("--learning_rate", type=float, default=3e-3)
+  parser.add_argument("--state_dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
   parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                     "release_quality.json"))
