@@ -141,8 +141,11 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(microbatches=2), "microbatches=2"),
-    (dict(max_grad_norm=1.0), "max_grad_norm=1.0"),
+    (dict(microbatches=2), "accumulation='optimizer'"),
+    (dict(microbatches=2, accumulation="optimizer", tx=optim.sgd(1e-3, momentum=0.9)),
+     "adamw or lion"),
+    (dict(max_grad_norm=1.0), "clipping='previous_norm'"),
+    (dict(max_grad_norm=1.0, clipping="previous_norm"), "carry_grad_norm"),
     (dict(loss_scaling=precision.LossScaling()), "dynamic loss scaling"),
     (dict(stage=2), "runs stage 2"),
     (dict(tx=optax.adamw(1e-3)), "LeafwiseTransformation"),
