@@ -52,6 +52,29 @@ def test_release_with_optimizer_accumulation_and_clipping_trains(tmp_path):
   assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, [r["loss"] for r in steps]
 
 
+def test_release_resumes_with_the_carried_norm(tmp_path):
+  """Clipping by the previous norm (kept in the optimizer state) and optimizer
+  accumulation: stopped after step 3 (saved, exit 75) and resumed, a run gives the
+  losses of a run that never stopped, bit for bit (the norm came back with the state:
+  a lost norm would leave step 4 unclipped)."""
+  args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
+          "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
+          "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.1",
+          "--config.checkpoint.async_save=False")
+  whole = run_train(*args, f"--config.workdir={tmp_path / 'whole'}")
+  assert whole.returncode == exits.DONE, whole.stderr[-3000:]
+  stopped = run_train(*args, f"--config.workdir={tmp_path / 'parts'}", "--stop_after", "3")
+  assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
+  resumed = run_train(*args, f"--config.workdir={tmp_path / 'parts'}")
+  assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
+  losses = {}
+  for run in ("whole", "parts"):
+    records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
+               .splitlines()]
+    losses[run] = {r["step"]: r["loss"] for r in records if "loss" in r}
+  assert [losses["parts"][s] for s in range(4, 7)] == [losses["whole"][s] for s in range(4, 7)]
+
+
 def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
   """A learning rate of 1e30 overflows the params at step 1, so every later gradient is
   NaN: layers (and the rest) are skipped, each step counts, and the third in a row
