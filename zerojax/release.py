@@ -44,6 +44,7 @@ What release changes, each chosen explicitly (`check_release` refuses the rest):
 - Optimizers that are not leafwise are refused.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import optim, precision, stage3, step as step_lib, updates, zero
+from zerojax import offload, optim, precision, stage3, step as step_lib, updates, zero
 
 PyTree = Any
 
@@ -193,6 +194,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
+  # Offloaded optimizer state: layer i's slice comes to the device for its update.
+  apply = offload.streamed(functools.partial(updates.apply, tx), plan)
   total = lambda x: jax.lax.psum(x, plan.shard_axes)
   clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
 
@@ -254,8 +257,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
-      new_p, new_s, update_squares = updates.apply(
-          tx, {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
+      new_p, new_s, update_squares = apply(
+          {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
           scale=mean_scale, factor=factor(squares), copies=copies, **phase, **clip_to)
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
               skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
@@ -274,8 +277,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # with clipping by the previous norm, this step's norm is stored for the next.
     norm = {} if not clip_to or not last else dict(
         grad_norm=jnp.sqrt((sums[1] + grad_sq) / microbatches))
-    rest_p, rest_s, update_squares = updates.apply(
-        tx, *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
+    rest_p, rest_s, update_squares = apply(
+        *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
         finite=finite, scale=mean_scale, factor=factor(squares), copies=copies,
         **phase, **clip_to, **norm)
     p = updates.pick(plan.per_layer, p, rest_p)

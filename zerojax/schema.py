@@ -134,6 +134,9 @@ _ROWS = (
           "'previous_norm' = clip by the previous step's global norm (step 1 unclipped), "
           "'per_layer' = clip each layer's gradient to grad_clip by its own norm.",
           choices=("none", "previous_norm", "per_layer")),
+    Field("optimizer.offload", "none", "'host': the moments and Kahan / master buffers live "
+          "in pinned host memory, streamed to the device one layer at a time for the update.",
+          choices=("none", "host")),
     # train
     Field("train.steps", 200, "Optimizer steps.", range=POSITIVE),
     Field("train.global_batch_size", 16, "Sequences per optimizer step, over all devices and "
