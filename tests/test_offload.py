@@ -41,6 +41,9 @@ def make(model, tx, stage=3, offload=False, mesh_shape=(1, 8)):
 def make_step(kind, plan, model, tx):
   if kind == "release":
     return make_release_step(plan, model.layered(), tx)
+  if kind == "release accumulation":  # 2 microbatches absorbed, per-layer clipping.
+    return make_release_step(plan, model.layered(), tx, microbatches=2,
+                             accumulation="optimizer", max_grad_norm=0.2, clipping="per_layer")
   return zerojax.make_train_step(plan, model.loss, tx, update_by_layer=kind == "by layer")
 
 
@@ -53,13 +56,13 @@ def run(kind, plan, model, tx, data):
 
 
 @pytest.mark.parametrize("stage, kind", [(1, "by layer"), (3, "by layer"), (3, "whole tree"),
-                                         (3, "release")])
+                                         (3, "release"), (3, "release accumulation")])
 def test_offloaded_step_equals_the_normal_step(stage, kind):
   """3 steps of AdamW + Kahan in fp32: every param and state leaf within 1e-6 relative
   of the same step without offload, the offloaded leaves (mu, nu, Kahan buffer) in
   pinned host memory after every step and the step count on the device."""
   tx, model = tx_and_model()
-  data = batches(3)
+  data = batches(3, batch=16 if kind == "release accumulation" else 8)
   normal, m_normal = run(kind, make(model, tx, stage), model, tx, data)
   plan = make(model, tx, stage, offload=True)
   offloaded, m_offloaded = run(kind, plan, model, tx, data)

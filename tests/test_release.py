@@ -96,27 +96,33 @@ def test_release_step_equals_the_normal_step(model_name, name, rule, mesh_shape,
   assert int(release.step) == 5
 
 
-@pytest.mark.parametrize("model, shrink", [
-    (MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
-           param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, remat="full"), 1.0),
+_MLP_BF16 = MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
+                  param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, remat="full")
+
+
+@pytest.mark.parametrize("model, shrink, microbatches", [
+    (_MLP_BF16, 1.0, 1),
+    (_MLP_BF16, 1.0, 2),
     (LlamaLM(LlamaConfig(vocab_size=64, d_model=128, d_ff=512, n_layers=16, n_heads=4,
-                         n_kv_heads=2, attention_block=8, loss_chunk=8, remat="full")), 0.75)],
-    ids=["mlp_lm", "llama"])
-def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink):
+                         n_kv_heads=2, attention_block=8, loss_chunk=8, remat="full")), 0.75, 1)],
+    ids=["mlp_lm", "mlp_lm-2-microbatches", "llama"])
+def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink, microbatches):
   """bf16 params, Kahan AdamW: the normal step's buffers include fp32 arrays the shape
-  of the layer stacks' local shards (their gradients); the release step's include none,
-  nor a copy of the stack in its bits, its temporaries shrink by at least `shrink` x
-  that gradient, and its largest fp32 temporaries alive at the peak are one layer's.
-  MlpLM's normal step holds the fp32 stack twice (params made for differentiation and
-  gradient); Llama's once (`stage3.scan_layers` writes the gradient over it), while
-  release holds one layer's fp32 shard and gradient: at 16 layers over 8 devices the
-  temporaries shrink by 0.79 of it (measured). Compiled as train.py and the planner
-  compile (`devices.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the fp32 upcast of
-  the stack for its gathers out of the forward loop."""
+  of the layer stacks' local shards (their gradients, and with microbatches their
+  accumulator); the release step's include none (with optimizer accumulation: no
+  accumulator either), nor a copy of the stack in its bits, its temporaries shrink by
+  at least `shrink` x that gradient, and its largest fp32 temporaries alive at the peak
+  are one layer's. MlpLM's normal step holds the fp32 stack twice (params made for
+  differentiation and gradient); Llama's once (`stage3.scan_layers` writes the gradient
+  over it), while release holds one layer's fp32 shard and gradient: at 16 layers over
+  8 devices the temporaries shrink by 0.79 of it (measured). Compiled as train.py and
+  the planner compile (`devices.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the
+  fp32 upcast of the stack for its gathers out of the forward loop."""
   tx = optim.adamw(1e-3, b2=0.95, state_dtype=jnp.bfloat16, update_rule="kahan")
   plan = make(model, tx)
   sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
-  batch = {"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=sharding)}
+  batch = {"tokens": jax.ShapeDtypeStruct((8 * microbatches, 17), jnp.int32,
+                                          sharding=sharding)}
   stack = jax.tree.leaves(plan.params["layers"])
   dims = jax.tree.leaves(plan.param_dims["layers"], is_leaf=lambda d: d is None)
   shard_shapes = {",".join(map(str, zerojax.zero.local_shape(x.shape, d, plan.num_shards)))
@@ -134,9 +140,10 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink):
         return compiled, f.read(), xla_dump.live_at_peak(dump)
 
   fp32_stacks = lambda buffers: {s for s in shard_shapes if f"f32[{s}]" in buffers}
-  normal, normal_buffers, _ = compile_step(zerojax.make_train_step(plan, model.loss, tx))
-  release, release_buffers, at_peak = compile_step(make_release_step(plan, model.layered(),
-                                                                     tx))
+  normal, normal_buffers, _ = compile_step(zerojax.make_train_step(
+      plan, model.loss, tx, microbatches=microbatches))
+  release, release_buffers, at_peak = compile_step(make_release_step(
+      plan, model.layered(), tx, microbatches=microbatches, accumulation="optimizer"))
   assert fp32_stacks(normal_buffers) == shard_shapes  # The check sees the gradients.
   assert not fp32_stacks(release_buffers)
   assert not any(f"u16[{s}]" in release_buffers for s in shard_shapes)
@@ -149,7 +156,7 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink):
 def test_a_layer_with_a_non_finite_gradient_is_not_updated():
   """Layer 1's gradient is NaN (d sqrt(w)/dw at w = 0), the others are finite: layer 1
   keeps its params and moments, layers 0 and 2 and the rest are updated, and the step
-  reports one skipped layer."""
+  reports one skipped layer (and counts as skipped)."""
   model = MlpLM(**SMALL)
   tx = optim.adamw(1e-2)
   plan = make(model, tx)
@@ -162,7 +169,7 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
   before = jax.tree.map(np.asarray, params)
   state, metrics = run(make_release_step(plan, poisoned, tx, donate=False), plan, model,
                        tx, batches(1), params=params)
-  assert metrics["skipped_layers"] == 1 and metrics["skipped"] == 0
+  assert metrics["skipped_layers"] == 1 and metrics["skipped"] == 1
   assert metrics["consecutive_skips"] == 1
   w_in, was = np.asarray(state.params["layers"]["w_in"]), before["layers"]["w_in"]
   np.testing.assert_array_equal(w_in[1], was[1])
@@ -173,8 +180,11 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(microbatches=2), "microbatches=2"),
-    (dict(max_grad_norm=1.0), "max_grad_norm=1.0"),
+    (dict(microbatches=2), "accumulation='optimizer'"),
+    (dict(microbatches=2, accumulation="optimizer", tx=optim.sgd(1e-3, momentum=0.9)),
+     "adamw or lion"),
+    (dict(max_grad_norm=1.0), "clipping='previous_norm'"),
+    (dict(max_grad_norm=1.0, clipping="previous_norm"), "carry_grad_norm"),
     (dict(loss_scaling=precision.LossScaling()), "dynamic loss scaling"),
     (dict(stage=2), "runs stage 2"),
     (dict(tx=optax.adamw(1e-3)), "LeafwiseTransformation"),

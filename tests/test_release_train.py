@@ -3,12 +3,15 @@ cannot do exits 2 naming the keys."""
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from test_train import REPO, TINY, run_train
+from test_train import REPO, TINY, TRAIN, run_train
 
 from zerojax import exits
+from zerojax.devices import fake_devices_env
 
 BASE = os.path.join(REPO, "configs", "base.py")
 MLP = ("--config", BASE, "--config.model.name=mlp_lm", "--config.optimizer.warmup_steps=1",
@@ -38,17 +41,112 @@ def test_release_trains_like_the_normal_step(tmp_path, config):
   np.testing.assert_allclose(losses[True], losses[False], rtol=1e-3)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ((), "optimizer.grad_clip"),
-    (("--config.optimizer.grad_clip=0", "--config.zero.stage=2"), "zero.stage"),
+def test_release_with_optimizer_accumulation_and_clipping_trains(tmp_path):
+  """4 microbatches absorbed by the moments, clipping by the previous step's norm: 8
+  steps of train.py learn (loss down by 1 nat), nothing skipped."""
+  result = run_train(*MLP, "--config.train.steps=8", "--config.optimizer.release=True",
+                     "--config.train.microbatches=4", "--config.train.global_batch_size=32",
+                     "--config.optimizer.release_accumulation=optimizer",
+                     "--config.optimizer.release_clipping=previous_norm",
+                     f"--config.workdir={tmp_path}")
+  assert result.returncode == exits.DONE, result.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in records if "loss" in r]
+  assert len(steps) == 8 and not any(r["skipped"] for r in steps)
+  assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, [r["loss"] for r in steps]
+
+
+def test_release_resumes_with_the_carried_norm(tmp_path):
+  """Clipping by the previous norm (kept in the optimizer state) and optimizer
+  accumulation: stopped after step 3 (saved, exit 75) and resumed, a run gives the
+  losses of a run that never stopped, bit for bit (the norm came back with the state:
+  a lost norm would leave step 4 unclipped)."""
+  args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
+          "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
+          "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.1",
+          "--config.checkpoint.async_save=False")
+  whole = run_train(*args, f"--config.workdir={tmp_path / 'whole'}")
+  assert whole.returncode == exits.DONE, whole.stderr[-3000:]
+  stopped = run_train(*args, f"--config.workdir={tmp_path / 'parts'}", "--stop_after", "3")
+  assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
+  resumed = run_train(*args, f"--config.workdir={tmp_path / 'parts'}")
+  assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
+  losses = {}
+  for run in ("whole", "parts"):
+    records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
+               .splitlines()]
+    losses[run] = {r["step"]: r["loss"] for r in records if "loss" in r}
+  assert [losses["parts"][s] for s in range(4, 7)] == [losses["whole"][s] for s in range(4, 7)]
+
+
+def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
+  """A learning rate of 1e30 overflows the params at step 1, so every later gradient is
+  NaN: layers (and the rest) are skipped, each step counts, and the third in a row
+  stops the run with exit 3 and one error line."""
+  result = run_train(*MLP, "--config.optimizer.release=True", "--config.optimizer.grad_clip=0",
+                     "--config.optimizer.learning_rate=1e30", "--config.optimizer.warmup_steps=0",
+                     "--config.precision.max_consecutive_skips=3", "--config.train.steps=20",
+                     f"--config.workdir={tmp_path}")
+  assert result.returncode == exits.NON_FINITE, (result.returncode, result.stderr[-3000:])
+  errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "3 consecutive steps" in errors[0], result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  skipped = [r for r in records if r.get("skipped") and "skipped_layers" in r]
+  assert skipped and all(r["skipped_layers"] > 0 for r in skipped), records
+
+
+def test_release_on_2_processes_matches_1_process(tmp_path):
+  """fp32, optimizer accumulation over 2 microbatches, clipping by the previous norm:
+  `zerojax.launch` 2 processes x 4 CPU devices (gloo collectives between them) give the
+  losses of 1 process x 8 devices, step by step, within fp32 reduction-order noise."""
+  args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
+          "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
+          "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.5",
+          "--config.optimizer.schedule=constant", "--config.precision.param_dtype=float32",
+          "--config.precision.compute_dtype=float32", "--config.optimizer.state_dtype=float32",
+          "--config.optimizer.update_rule=nearest")
+  one = run_train(*args, f"--config.workdir={tmp_path / 'one'}")
+  assert one.returncode == exits.DONE, one.stderr[-3000:]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "JAX_COORD"))}
+  two = subprocess.run(
+      [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+       "--", sys.executable, TRAIN, *args, f"--config.workdir={tmp_path / 'two'}"],
+      cwd=REPO, env=fake_devices_env(1, base=env), capture_output=True, text=True,
+      timeout=300)
+  assert two.returncode == exits.DONE, two.stderr[-3000:]
+  losses = {}
+  for run, processes in (("one", 1), ("two", 2)):
+    records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert records[0]["processes"] == processes and records[0]["devices"] == 8
+    losses[run] = [(r["step"], r["loss"], r["grad_norm"]) for r in records if "loss" in r]
+  assert [s for s, *_ in losses["two"]] == list(range(1, 7))
+  np.testing.assert_allclose(np.array(losses["two"]), np.array(losses["one"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, key, also", [
+    ((), "optimizer.grad_clip", "optimizer.release_clipping"),
+    (("--config.optimizer.grad_clip=0", "--config.zero.stage=2"), "zero.stage", ""),
     (("--config.optimizer.grad_clip=0", "--config.train.microbatches=2"),
-     "train.microbatches"),
-    (("--config.optimizer.grad_clip=0", "--config.mesh.data=8"), "mesh.fsdp"),
+     "train.microbatches", "optimizer.release_accumulation"),
+    (("--config.optimizer.grad_clip=0", "--config.mesh.data=8"), "mesh.fsdp", ""),
+    (("--config.optimizer.grad_clip=0", "--config.precision.param_dtype=float16",
+      "--config.precision.compute_dtype=float16"), "precision.param_dtype",
+     "precision.loss_scale"),
+    (("--config.optimizer.release_clipping=per_layer", "--config.optimizer.grad_clip=0"),
+     "optimizer.release_clipping", "optimizer.grad_clip"),
+    (("--config.optimizer.grad_clip=0", "--config.optimizer.name=sgd",
+      "--config.optimizer.release_accumulation=optimizer"), "optimizer.release_accumulation",
+     "optimizer.name"),
+    (("--config.optimizer.release=False", "--config.optimizer.release_accumulation=optimizer"),
+     "optimizer.release_accumulation", ""),
 ])
-def test_what_release_cannot_do_exits_2_naming_the_keys(tmp_path, overrides, key):
+def test_what_release_cannot_do_exits_2_naming_the_keys(tmp_path, overrides, key, also):
   result = run_train(*MLP, "--config.optimizer.release=True", *overrides,
                      f"--config.workdir={tmp_path}", timeout=120)
   assert result.returncode == exits.BAD_INPUT, result.stderr[-2000:]
   lines = result.stderr.strip().splitlines()
   assert lines[0].startswith("error: ") and key in lines[0], lines
+  assert also in result.stderr, lines
   assert "optimizer.release" in result.stderr and "Traceback" not in result.stderr

@@ -60,7 +60,8 @@ def build(config) -> Built:
   if c.optimizer.release:
     train_step = make_release_step(
         plan, model.layered(), tx, microbatches=t.microbatches,
-        max_grad_norm=c.optimizer.grad_clip, learning_rate=schedule,
+        accumulation=c.optimizer.release_accumulation, max_grad_norm=c.optimizer.grad_clip,
+        clipping=c.optimizer.release_clipping, learning_rate=schedule,
         reduce_dtype=c.precision.reduce_dtype, loss_scaling=loss_scaling)
   else:
     train_step = zerojax.make_train_step(

@@ -29,6 +29,27 @@ silently zero a compensation computed as `s - f32(bf16(s))`.
 
 Gradient clipping is deliberately not in these chains: the train step clips by the
 fp32 global norm of the reduced gradients itself (`make_train_step(max_grad_norm=)`).
+Gradient release (`zerojax.release`) cannot wait for that norm: `carry_grad_norm`
+keeps the previous step's norm in the state for it to clip by.
+
+**Optimizer accumulation** (gradient release with microbatches): the moment transforms
+take two extra arguments, `decay` (False: do not decay the moments, a later microbatch
+of the same step) and `weight` (the share of the moving average this gradient gets,
+1/microbatches). `absorb` runs the update but keeps only the new moments: the params
+do not move and counts, schedules and Kahan buffers are untouched. With n microbatches
+of gradients g_1..g_n (g_bar = their mean, what gradient accumulation would use):
+
+* AdamW: mu = b1 mu + (1 - b1) g_bar exactly; nu = b2 nu + (1 - b2) mean_k(g_k^2),
+  which is the true nu plus (1 - b2) var_k(g_k) >= 0 (the microbatches' variance), so
+  each update is at most as large as accumulation's. The count advances once.
+* Lion: the momentum mu = b2 mu + (1 - b2) g_bar exactly; for n > 1 the direction
+  sign(b1 m + (1 - b1) g_n) reads m, the momentum before the last microbatch's share
+  (b2 mu + (1 - b2) sum_{k<n} g_k / n), instead of sign(b1 mu + (1 - b1) g_bar):
+  the old momentum weighs b1 b2 instead of b1, the last microbatch (1 - b1) instead of
+  (1 - b1) / n, the others b1 (1 - b2) / n instead of (1 - b1) / n (one buffer cannot
+  hold both the old momentum and the step's gradient sum).
+
+With one microbatch (decay True, weight 1) both are the plain update, bit for bit.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -104,6 +125,14 @@ def _f32(x):
   return x.astype(jnp.float32)
 
 
+def _average(m: jax.Array, x: jax.Array, beta: float, decay: bool | jax.Array,
+             weight: float) -> jax.Array:
+  """fp32 `beta m + (1 - beta) x`; with optimizer accumulation `m` decays only if
+  `decay` (the step's first microbatch) and `x` gets `weight` of its share."""
+  keep = beta if decay is True else jnp.where(decay, beta, 1.0)
+  return keep * _f32(m) + ((1 - beta) * weight) * x
+
+
 def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
                      seed: int = 0) -> optax.GradientTransformation:
   """Makes `inner`'s updates land on low-precision params by `rule`.
@@ -133,8 +162,8 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
     def init(params):
       return KahanState(inner.init(params), jax.tree.map(jnp.zeros_like, params))
 
-    def update(grads, state, params):
-      u, inner_state = inner.update(grads, state.inner, params)
+    def update(grads, state, params, **extra):
+      u, inner_state = inner.update(grads, state.inner, params, **extra)
       exact = jax.tree.map(lambda p, u, c: _f32(p) + _f32(u) + _f32(c),
                            params, u, state.compensation)
       new = jax.tree.map(lambda s, p: round_to(s, p.dtype), exact, params)
@@ -147,8 +176,8 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
       return StochasticState(inner.init(params),
                              jax.random.key_data(jax.random.key(seed)))
 
-    def update(grads, state, params):
-      u, inner_state = inner.update(grads, state.inner, params)
+    def update(grads, state, params, **extra):
+      u, inner_state = inner.update(grads, state.inner, params, **extra)
       key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
       leaves, treedef = jax.tree.flatten(params)
       keys = jax.random.split(step_key, len(leaves))
@@ -162,19 +191,19 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
       master = jax.tree.map(_f32, params)
       return MasterState(inner.init(master), master)
 
-    def update(grads, state, params):
-      u, inner_state = inner.update(grads, state.inner, state.master)
+    def update(grads, state, params, **extra):
+      u, inner_state = inner.update(grads, state.inner, state.master, **extra)
       master = jax.tree.map(lambda m, u: m + _f32(u), state.master, u)
       new = jax.tree.map(lambda m, p: round_to(m, p.dtype), master, params)
       return land(params, new), MasterState(inner_state, master)
 
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 # --- Leafwise transforms --------------------------------------------------------------
 
 
-class LeafwiseTransformation(optax.GradientTransformation):
+class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
   """A transform whose update of each parameter element is elementwise.
 
   That is: the new value of each element of each param (and of the state leaves that
@@ -230,11 +259,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     return ScaleByAdamState(jnp.zeros((), jnp.int32), jax.tree.map(zeros, params),
                             jax.tree.map(zeros, params))
 
-  def update(grads, state, params=None):
-    del params
+  def update(grads, state, params=None, *, decay=True, weight=1.0, **unused):
+    del params, unused
     count = state.count + 1
-    mu = jax.tree.map(lambda m, g: b1 * _f32(m) + (1 - b1) * _f32(g), state.mu, grads)
-    nu = jax.tree.map(lambda v, g: b2 * _f32(v) + (1 - b2) * jnp.square(_f32(g)),
+    mu = jax.tree.map(lambda m, g: _average(m, _f32(g), b1, decay, weight), state.mu, grads)
+    nu = jax.tree.map(lambda v, g: _average(v, jnp.square(_f32(g)), b2, decay, weight),
                       state.nu, grads)
     c1 = 1 - b1 ** count.astype(jnp.float32)
     c2 = 1 - b2 ** count.astype(jnp.float32)
@@ -242,28 +271,32 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     store = lambda t: jax.tree.map(lambda x: x.astype(state_dtype), t)
     return u, ScaleByAdamState(count, store(mu), store(nu))
 
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 class MomentumState(NamedTuple):
   mu: PyTree  # state_dtype.
 
 
+class LionState(NamedTuple):
+  mu: PyTree  # The momentum, state_dtype.
+
+
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99,
                   state_dtype: Any = jnp.float32) -> optax.GradientTransformation:
   """Lion's direction: u = sign(b1 mu + (1 - b1) g), then mu = b2 mu + (1 - b2) g."""
   def init(params):
-    return MomentumState(jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype), params))
+    return LionState(jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype), params))
 
-  def update(grads, state, params=None):
-    del params
+  def update(grads, state, params=None, *, decay=True, weight=1.0, **unused):
+    del params, unused
     u = jax.tree.map(lambda m, g: jnp.sign(b1 * _f32(m) + (1 - b1) * _f32(g)),
                      state.mu, grads)
-    mu = jax.tree.map(lambda m, g: (b2 * _f32(m) + (1 - b2) * _f32(g)).astype(state_dtype),
-                      state.mu, grads)
-    return u, MomentumState(mu)
+    mu = jax.tree.map(lambda m, g: _average(m, _f32(g), b2, decay, weight).astype(
+        state_dtype), state.mu, grads)
+    return u, LionState(mu)
 
-  return optax.GradientTransformation(init, update)
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 def trace(momentum: float, nesterov: bool = False,
@@ -279,6 +312,68 @@ def trace(momentum: float, nesterov: bool = False,
     return u, MomentumState(jax.tree.map(lambda m: m.astype(state_dtype), mu))
 
   return optax.GradientTransformation(init, update)
+
+
+# --- Gradient release: optimizer accumulation and clipping by the previous norm ------
+
+
+def accumulates(opt_state: PyTree) -> bool:
+  """Whether an optimizer state has moments that can absorb microbatches (`absorb`):
+  zerojax's adamw and lion (SGD's momentum is not offered)."""
+  found = lambda x: isinstance(x, (ScaleByAdamState, LionState))
+  return any(found(x) for x in jax.tree.leaves(opt_state, is_leaf=found))
+
+
+def absorb(tx: optax.GradientTransformation, grads: PyTree, state: PyTree, params: PyTree,
+           **extra) -> PyTree:
+  """Optimizer accumulation's partial step: `state` with `grads` absorbed into its moments.
+
+  Runs `tx.update(grads, state, params, **extra)` (`decay`, `weight`: see the module
+  docstring) and keeps only the new moments (Adam's mu and nu, Lion's mu): the params
+  do not move, and counts, schedules, Kahan and master buffers stay as they were. The
+  unused parts of the update are dead code under `jax.jit`.
+  """
+  _, new = tx.update(grads, state, params, **extra)
+  moments = lambda x: isinstance(x, (ScaleByAdamState, LionState))
+
+  def keep(old, new):
+    if isinstance(old, ScaleByAdamState):
+      return old._replace(mu=new.mu, nu=new.nu)
+    return new if isinstance(old, LionState) else old
+  return jax.tree.map(keep, state, new, is_leaf=moments)
+
+
+class PreviousNormState(NamedTuple):
+  """`norm`: float32, the last applied step's global gradient norm; 0 before the first."""
+  norm: jax.Array
+
+
+def carry_grad_norm(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` with the previous step's global gradient norm in its state, to clip by it.
+
+  Gradient release updates each layer before the step's global norm exists. An update
+  given `clip_to` (extra argument) first scales the gradients by
+  `min(1, clip_to / (norm + 1e-6))` with the stored norm: the first step (norm 0) is
+  not clipped. An update given a finite `grad_norm` stores it for the next step (a
+  step whose norm is not finite keeps the old one). Both are scalars of the state,
+  so the result is leafwise when `tx` is.
+  """
+  def init(params):
+    return PreviousNormState(jnp.zeros((), jnp.float32)), tx.init(params)
+
+  def update(grads, state, params=None, *, clip_to=None, grad_norm=None, **extra):
+    previous, inner = state
+    if clip_to is not None:
+      factor = jnp.minimum(1.0, clip_to / (previous.norm + 1e-6))
+      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+    u, inner = optax.with_extra_args_support(tx).update(grads, inner, params, **extra)
+    norm = previous.norm if grad_norm is None else jnp.where(
+        jnp.isfinite(grad_norm), grad_norm, previous.norm).astype(jnp.float32)
+    return u, (PreviousNormState(norm), inner)
+
+  wrap = LeafwiseTransformation if isinstance(tx, LeafwiseTransformation) else (
+      optax.GradientTransformationExtraArgs)
+  return wrap(init, update)
 
 
 # --- Optimizers -----------------------------------------------------------------------
@@ -377,15 +472,21 @@ def optimizer_from_config(cfg_optimizer, total_steps: int, *, mask: Mask = None,
 
   Returns:
     (tx, schedule): the schedule is also what the step reports as `learning_rate`.
+    With `release` and `release_clipping='previous_norm'`, tx carries the previous
+    step's gradient norm in its state (`carry_grad_norm`).
   """
   c = cfg_optimizer
   schedule = learning_rate_schedule(c, total_steps)
   common = dict(weight_decay=c.weight_decay, state_dtype=jnp.dtype(c.state_dtype),
                 update_rule=c.update_rule, mask=mask, seed=seed)
   if c.name == "adamw":
-    return adamw(schedule, c.b1, c.b2, c.eps, **common), schedule
-  if c.name == "lion":
-    return lion(schedule, c.b1, c.b2, **common), schedule
-  if c.name == "sgd":
-    return sgd(schedule, c.momentum, c.nesterov, **common), schedule
-  raise ValueError(f"unknown optimizer {c.name!r}; use adamw, lion or sgd")
+    tx = adamw(schedule, c.b1, c.b2, c.eps, **common)
+  elif c.name == "lion":
+    tx = lion(schedule, c.b1, c.b2, **common)
+  elif c.name == "sgd":
+    tx = sgd(schedule, c.momentum, c.nesterov, **common)
+  else:
+    raise ValueError(f"unknown optimizer {c.name!r}; use adamw, lion or sgd")
+  if c.release and c.release_clipping == "previous_norm":
+    tx = carry_grad_norm(tx)
+  return tx, schedule

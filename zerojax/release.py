@@ -23,12 +23,25 @@ optimizer (`optim.LeafwiseTransformation`) an update of a shard with its gradien
 shard is that shard of the whole update, so with one microbatch and no clipping a
 release step computes what `make_train_step` computes.
 
-What release changes: a layer whose gradient is not finite (on any device) is not
-updated and the step reports how many were skipped (`skipped_layers`); the step
-counts as skipped for `consecutive_skips` if any part was. Refused for now, each with
-a ValueError: microbatches > 1 (needs optimizer accumulation), global-norm clipping
-(needs every gradient first), dynamic loss scaling (fp16), optimizers that are not
-leafwise.
+What release changes, each chosen explicitly (`check_release` refuses the rest):
+
+- **Non-finite gradients** are checked per layer (on any device): such a layer is not
+  updated, `skipped_layers` counts it, and the step counts as skipped (`skipped`,
+  `consecutive_skips`), so a run of them stops train.py (`max_consecutive_skips`).
+- **Microbatches** (`accumulation='optimizer'`): there is no gradient accumulator. The
+  microbatches run one after another, each with its own forward and released backward
+  pass; in all but the last the moments absorb the layer's gradient and the params do
+  not move (`optim.absorb`), in the last the update runs. So every forward pass sees
+  the same params, as with gradient accumulation, but AdamW's nu averages the squared
+  microbatch gradients and Lion's direction reads mostly the last microbatch (the
+  math: `zerojax.optim`'s docstring).
+- **Clipping** (`clipping`): the global norm exists only after every layer was updated,
+  so either the previous step's norm, carried in the optimizer state
+  (`optim.carry_grad_norm`; the first step is unclipped), or each layer's own norm
+  ('per_layer': each layer, and the non-stacked leaves as one group, to max_grad_norm).
+- **Dynamic loss scaling** (fp16) is refused: an overflow is known only after layers
+  were updated, and an update cannot be undone without a copy of the state.
+- Optimizers that are not leafwise are refused.
 """
 
 import functools
@@ -40,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload, precision, stage3, step as step_lib, updates, zero
+from zerojax import offload, optim, precision, stage3, step as step_lib, updates, zero
 
 PyTree = Any
 
@@ -65,9 +78,14 @@ class LayeredLoss(NamedTuple):
   stack: str
 
 
+ACCUMULATION = ("none", "optimizer")
+CLIPPING = ("none", "previous_norm", "per_layer")
+
+
 def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
                   tx: optax.GradientTransformation, *, microbatches: int = 1,
-                  max_grad_norm: float = 0.0,
+                  accumulation: str = "none", max_grad_norm: float = 0.0,
+                  clipping: str = "none",
                   loss_scaling: precision.LossScaling = precision.NO_SCALING) -> int:
   """Raises ValueError for what release cannot do (yet); returns the stack's depth."""
   if plan.behaviour.stage != 3:
@@ -75,16 +93,28 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
         f"gradient release runs at ZeRO stage 3 over more than one shard; this plan "
         f"runs stage {plan.behaviour.stage} (configured {plan.stage}, "
         f"{plan.num_shards} shard(s))")
-  if microbatches != 1:
+  if accumulation not in ACCUMULATION or clipping not in CLIPPING:
+    raise ValueError(f"gradient release: accumulation={accumulation!r} (one of "
+                     f"{ACCUMULATION}), clipping={clipping!r} (one of {CLIPPING})")
+  if microbatches != 1 and accumulation != "optimizer":
     raise ValueError(
         f"gradient release with microbatches={microbatches}: there is no gradient "
-        "accumulator to sum microbatches into; use microbatches=1 (optimizer "
-        "accumulation is not built yet)")
-  if max_grad_norm > 0:
+        "accumulator to sum microbatches into; use accumulation='optimizer' (the "
+        "moments absorb each microbatch) or microbatches=1")
+  if microbatches != 1 and not optim.accumulates(plan.opt_state):
+    raise ValueError(
+        f"gradient release with microbatches={microbatches}: optimizer accumulation "
+        "needs moments to absorb the microbatches (zerojax's adamw or lion)")
+  if max_grad_norm > 0 and clipping == "none":
     raise ValueError(
         f"gradient release with max_grad_norm={max_grad_norm}: the global norm is known "
-        "only after every layer is updated; use max_grad_norm=0 (clipping by the "
-        "previous step's norm is not built yet)")
+        "only after every layer is updated; use clipping='previous_norm' or "
+        "'per_layer', or max_grad_norm=0")
+  carries = lambda x: isinstance(x, optim.PreviousNormState)
+  if clipping == "previous_norm" and not any(
+      carries(x) for x in jax.tree.leaves(plan.opt_state, is_leaf=carries)):
+    raise ValueError("gradient release with clipping='previous_norm': the optimizer "
+                     "state must carry the norm: tx = optim.carry_grad_norm(tx)")
   if loss_scaling.dynamic:
     raise ValueError("gradient release with dynamic loss scaling (float16): an overflow "
                      "is found after layers were updated; use bfloat16 or float32")
@@ -109,7 +139,8 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
 
 def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       tx: optax.GradientTransformation, *, microbatches: int = 1,
-                      max_grad_norm: float = 0.0,
+                      accumulation: str = "none", max_grad_norm: float = 0.0,
+                      clipping: str = "none",
                       learning_rate: optax.ScalarOrSchedule | None = None,
                       reduce_dtype: Any = jnp.float32,
                       loss_scaling: precision.LossScaling = precision.NO_SCALING,
@@ -120,23 +151,38 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   Args:
     plan: a stage-3 plan over more than one shard.
     parts: the model's loss cut at its layer loop (e.g. `MlpLM.layered()`).
-    tx: a leafwise optimizer (`optim.adamw`, `optim.lion`, `optim.sgd`).
-    microbatches, max_grad_norm, loss_scaling: accepted so that a caller passing its
-      config gets a clear error: only 1, 0 and no dynamic scaling run.
+    tx: a leafwise optimizer (`optim.adamw`, `optim.lion`, `optim.sgd`); wrapped in
+      `optim.carry_grad_norm` for clipping 'previous_norm'.
+    microbatches: each device's batch slice is split into this many; more than 1
+      needs accumulation 'optimizer'.
+    accumulation: 'optimizer': the moments absorb each microbatch's gradient as it is
+      released and the params move once, in the last microbatch's backward pass
+      (`optim` docstring: the math, and how it differs from accumulating gradients).
+    max_grad_norm: clip to this (fp32 norms); 0 = off. Needs a `clipping`.
+    clipping: 'previous_norm': every gradient of the step is scaled by
+      min(1, max_grad_norm / the previous step's global norm), carried in the
+      optimizer state (the first step is not clipped); 'per_layer': each layer's
+      gradient, and the non-stacked leaves' as one group, is clipped to
+      max_grad_norm by its own norm (each microbatch's, with accumulation).
+    loss_scaling: only no dynamic scaling runs (accepted for a clear error).
     learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
     reduce_dtype: dtype of every cross-device gradient reduction.
     donate: donate the input state's buffers to the output.
 
   Returns:
-    A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm,
-    update_norm, tokens, skipped (1 if the non-stacked leaves were not updated),
-    skipped_layers, consecutive_skips, loss_scale and learning_rate (if given).
+    A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
+    (with microbatches, the root mean square of the microbatch gradients' global
+    norms: at least the accumulated gradient's), update_norm, tokens, skipped (1 if
+    any layer or the non-stacked leaves were not updated: the step counts toward
+    `consecutive_skips`), skipped_layers (layer updates skipped, summed over
+    microbatches), consecutive_skips, loss_scale and learning_rate.
 
   Raises:
     ValueError: for what release does not support (`check_release`).
   """
   depth = check_release(plan, parts, tx, microbatches=microbatches,
-                        max_grad_norm=max_grad_norm, loss_scaling=loss_scaling)
+                        accumulation=accumulation, max_grad_norm=max_grad_norm,
+                        clipping=clipping, loss_scaling=loss_scaling)
   reduce_dtype, stack = jnp.dtype(reduce_dtype), parts.stack
   is_dim = lambda d: d is None
   dims = plan.param_dims
@@ -144,11 +190,21 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   # when the squares are summed over the ZeRO axes.
   copies = jax.tree.map(lambda d: 1 if d is not None else plan.num_shards, dims,
                         is_leaf=is_dim)
+  rest_copies = {k: v for k, v in copies.items() if k != stack}
   mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
   # Offloaded optimizer state: layer i's slice comes to the device for its update.
   apply = offload.streamed(functools.partial(updates.apply, tx), plan)
+  total = lambda x: jax.lax.psum(x, plan.shard_axes)
+  clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
+
+  def factor(squares):
+    """Per-layer clipping's scale for a group whose squared gradient norm (summed over
+    this device's shards) is `squares`."""
+    if clipping != "per_layer":
+      return None
+    return jnp.minimum(1.0, max_grad_norm / (jnp.sqrt(total(squares)) + 1e-6))
 
   def gathered(layer):
     """One layer's shards as the whole params in the param dtype. Differentiated with
@@ -164,7 +220,12 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     return jax.tree.map(lambda d, g: step_lib.sum_unreduced(plan, g.astype(reduce_dtype), d),
                         dims, grads, is_leaf=is_dim)
 
-  def local(params, opt_state, batch):
+  def microbatch(params, opt_state, batch, sums, *, decay, last):
+    """Forward and released backward of one microbatch. Not `last`: the moments absorb
+    its gradients and the params stay. `sums` (loss, squared gradient norm, skipped
+    layers, skipped rest, squared update norm; fp32) add up over the microbatches."""
+    phase = dict(move=last, **({} if microbatches == 1 else dict(
+        decay=decay, weight=1.0 / microbatches)))
     view = lambda rest: {k: v for k, v in step_lib.materialize(
         plan, {**rest, stack: params[stack]}).items() if k != stack}
     rest32 = cast({k: v for k, v in params.items() if k != stack})
@@ -196,13 +257,13 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       g, ct = vjp(ct)
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))
-      new_p, new_s, squares = apply(
+      squares = updates.sum_squares(g, copies[stack], mean_scale)
+      new_p, new_s, update_squares = apply(
           {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
-          scale=mean_scale, factor=None, copies=copies)
-      grad_sq += updates.sum_squares(g, copies[stack], mean_scale)
+          scale=mean_scale, factor=factor(squares), copies=copies, **phase, **clip_to)
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
-              skipped + 1 - finite.astype(jnp.int32), grad_sq,
-              update_sq + jnp.where(finite, squares, 0.0))
+              skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
+              update_sq + jnp.where(finite, update_squares, 0.0))
 
     zero_sq = jnp.zeros((), jnp.float32)
     ct, p, s, skipped, grad_sq, update_sq = jax.lax.fori_loop(
@@ -211,30 +272,58 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     (d_embed,) = embed_vjp(ct)
     d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims)
     finite = agree(precision.all_finite(d_rest))
-    rest_p, rest_s, squares = apply(
+    squares = updates.sum_squares(d_rest, rest_copies, mean_scale)
+    grad_sq = total(grad_sq + squares)
+    # The optimizer's scalars advance here, once per step (in the last microbatch);
+    # with clipping by the previous norm, this step's norm is stored for the next.
+    norm = {} if not clip_to or not last else dict(
+        grad_norm=jnp.sqrt((sums[1] + grad_sq) / microbatches))
+    rest_p, rest_s, update_squares = apply(
         *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
-        finite=finite, scale=mean_scale, factor=None, copies=copies)
+        finite=finite, scale=mean_scale, factor=factor(squares), copies=copies,
+        **phase, **clip_to, **norm)
     p = updates.pick(plan.per_layer, p, rest_p)
     s = updates.pick(plan.opt_per_layer, s, rest_s)
-    grad_sq += updates.sum_squares(d_rest, {k: copies[k] for k in d_rest}, mean_scale)
-    update_sq += jnp.where(finite, squares, 0.0)
-    total = lambda x: jax.lax.psum(x, plan.shard_axes)
-    metrics = dict(loss=jax.lax.pmean(loss, plan.data_axes),
-                   grad_norm=jnp.sqrt(total(grad_sq)),
-                   update_norm=jnp.sqrt(total(update_sq)),
-                   skipped=(~finite).astype(jnp.float32),
-                   skipped_layers=skipped.astype(jnp.float32))
-    return p, s, metrics
+    update_sq = total(update_sq + jnp.where(finite, update_squares, 0.0))
+    step_sums = (jax.lax.pmean(loss, plan.data_axes), grad_sq, skipped.astype(jnp.float32),
+                 (~finite).astype(jnp.float32), update_sq)
+    return p, s, tuple(a + b for a, b in zip(sums, step_sums, strict=True))
+
+  def local(params, opt_state, batch):
+    split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+    micro = jax.tree.map(split, batch)
+    sums = (jnp.zeros((), jnp.float32),) * 5
+    if microbatches > 1:
+      # Microbatches 1..n-1 only absorb: the params are the same in every forward pass.
+      def absorb(carry, xs):
+        s, sums = carry
+        mb, k = xs
+        _, s, sums = microbatch(params, s, mb, sums, decay=k == 0, last=False)
+        return (s, sums), None
+      (opt_state, sums), _ = jax.lax.scan(
+          absorb, (opt_state, sums),
+          (jax.tree.map(lambda x: x[:-1], micro), jnp.arange(microbatches - 1)))
+    params, opt_state, sums = microbatch(
+        params, opt_state, jax.tree.map(lambda x: x[-1], micro), sums,
+        decay=microbatches == 1, last=True)
+    loss, grad_sq, skipped_layers, skipped, update_sq = sums
+    metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
+                   update_norm=jnp.sqrt(update_sq),
+                   # Any skipped part makes the step count as skipped (train.py's
+                   # max_consecutive_skips reads it); skipped_layers says how much.
+                   skipped=jnp.minimum(skipped + skipped_layers, 1.0),
+                   skipped_layers=skipped_layers)
+    return params, opt_state, metrics
 
   shardings = step_lib.state_shardings(plan)
 
   def step(state: step_lib.TrainState, batch: PyTree):
-    step_lib.check_batch(batch, plan.num_data, 1)
+    step_lib.check_batch(batch, plan.num_data * microbatches, microbatches)
     params, opt_state, metrics = jax.shard_map(
         local, mesh=plan.mesh, in_specs=(plan.param_specs, plan.opt_specs, plan.batch_spec),
         out_specs=(plan.param_specs, plan.opt_specs, P()), check_vma=False)(
             state.params, state.opt_state, batch)
-    applied = (metrics["skipped"] == 0) & (metrics["skipped_layers"] == 0)
+    applied = metrics["skipped"] == 0
     loss_scale = precision.update_loss_scale(state.loss_scale, applied, loss_scaling)
     metrics.update(tokens=jnp.asarray(step_lib.leading_size(batch), jnp.float32),
                    consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),

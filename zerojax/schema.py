@@ -125,7 +125,15 @@ _ROWS = (
           range=NON_NEGATIVE),
     Field("optimizer.release", False, "Gradient release: each layer is updated inside the "
           "backward pass, so no fp32 gradient of the layer stack exists (zero.stage 3, "
-          "microbatches 1, grad_clip 0)."),
+          "microbatches > 1 and grad_clip > 0 need the two keys below)."),
+    Field("optimizer.release_accumulation", "none", "With release and microbatches > 1: "
+          "'optimizer' = the moments absorb each microbatch's gradient, the params move "
+          "once per step (approximates gradient accumulation; adamw, lion).",
+          choices=("none", "optimizer")),
+    Field("optimizer.release_clipping", "none", "With release and grad_clip > 0: "
+          "'previous_norm' = clip by the previous step's global norm (step 1 unclipped), "
+          "'per_layer' = clip each layer's gradient to grad_clip by its own norm.",
+          choices=("none", "previous_norm", "per_layer")),
     Field("optimizer.offload", "none", "'host': the moments and Kahan / master buffers live "
           "in pinned host memory, streamed to the device one layer at a time for the update.",
           choices=("none", "host")),

@@ -21,7 +21,8 @@ PyTree = Any
 
 def apply(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
           params: PyTree, *, finite: jax.Array, scale: jax.Array,
-          factor: jax.Array | None, copies: PyTree | None = None):
+          factor: jax.Array | None, copies: PyTree | None = None, move: bool = True,
+          **extra):
   """One optimizer update: (new params, new optimizer state, sum of squared updates).
 
   The gradient is `grads * scale` (the mean of the summed gradients), clipped by
@@ -30,17 +31,23 @@ def apply(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
   state's type from step to step), and changes nothing when the gradients are not
   `finite` (the step is skipped). `copies` (per param leaf, optional) divides each
   leaf's squared update by the devices holding that same leaf, for a caller that sums
-  the squares over devices (a per-device update inside `jax.shard_map`).
+  the squares over devices (a per-device update inside `jax.shard_map`). `move=False`
+  is optimizer accumulation's partial step (`optim.absorb`): the moments absorb the
+  gradient, the params stay, the squared update is 0. `extra` goes to `tx.update`
+  (`decay`, `weight`, `clip_to`, `grad_norm`: see `zerojax.optim`).
   """
   grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
   if factor is not None:
     grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-  updates, new_state = tx.update(grads, opt_state, params)
+  if move:
+    updates, new_state = tx.update(grads, opt_state, params, **extra)
+    new_params, squares = optax.apply_updates(params, updates), sum_squares(updates, copies)
+  else:
+    new_state = optim.absorb(tx, grads, opt_state, params, **extra)
+    new_params, squares = params, jnp.zeros((), jnp.float32)
   new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
-  new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-  return (keep(new_params, params), keep(new_state, opt_state),
-          sum_squares(updates, copies))
+  return keep(new_params, params), keep(new_state, opt_state), squares
 
 
 def sum_squares(tree: PyTree, copies: PyTree | None = None,

@@ -181,23 +181,42 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
                    source: Source) -> None:
   """What gradient release (`zerojax.release`) cannot do yet, named by its keys."""
   if not config.optimizer.release:
+    for key in ("release_accumulation", "release_clipping"):
+      if config.optimizer[key] != "none":
+        raise ConfigError(f"is {config.optimizer[key]!r}, but optimizer.release=False: only "
+                          "gradient release reads it.", key=f"optimizer.{key}",
+                          source=source_of(source, f"optimizer.{key}", "optimizer.release"),
+                          fix=f"set optimizer.release=True, or optimizer.{key}='none'")
     return
   o, p = config.optimizer, config.precision
   where = lambda key: source_of(source, key, "optimizer.release")
+  accumulate, clip = o.release_accumulation == "optimizer", o.release_clipping != "none"
   problems = [
       ("zero.stage", config.zero.stage != 3,
        f"zero.stage={config.zero.stage}: release updates stage-3 shards", "use zero.stage=3"),
       ("mesh.fsdp", fsdp == 1, "mesh.fsdp=1: with one shard stage 3 runs as stage 0",
        "use mesh.fsdp > 1"),
-      ("train.microbatches", config.train.microbatches != 1,
-       f"train.microbatches={config.train.microbatches}: there is no gradient accumulator "
-       "to sum microbatches into", "use train.microbatches=1"),
-      ("optimizer.grad_clip", o.grad_clip > 0,
-       f"optimizer.grad_clip={o.grad_clip:g}: the global norm is known only after every "
-       "layer is updated", "use optimizer.grad_clip=0"),
+      ("train.microbatches", config.train.microbatches != 1 and not accumulate,
+       f"train.microbatches={config.train.microbatches} and "
+       f"optimizer.release_accumulation={o.release_accumulation!r}: there is no gradient "
+       "accumulator to sum microbatches into",
+       "set optimizer.release_accumulation='optimizer' (the moments absorb each "
+       "microbatch; approximates accumulation), or train.microbatches=1"),
+      ("optimizer.release_accumulation", accumulate and o.name == "sgd",
+       "optimizer.release_accumulation='optimizer' and optimizer.name='sgd': optimizer "
+       "accumulation is defined for adamw and lion", "use optimizer.name='adamw' or 'lion'"),
+      ("optimizer.grad_clip", o.grad_clip > 0 and not clip,
+       f"optimizer.grad_clip={o.grad_clip:g} and optimizer.release_clipping='none': the "
+       "global norm is known only after every layer is updated",
+       "set optimizer.release_clipping='previous_norm' or 'per_layer', or "
+       "optimizer.grad_clip=0"),
+      ("optimizer.release_clipping", clip and o.grad_clip == 0,
+       f"optimizer.release_clipping={o.release_clipping!r} and optimizer.grad_clip=0: "
+       "nothing to clip to", "set optimizer.grad_clip > 0"),
       ("precision.param_dtype", "float16" in (p.param_dtype, p.compute_dtype),
-       "float16: dynamic loss scaling finds an overflow after layers were updated",
-       "use bfloat16"),
+       "float16: dynamic loss scaling (precision.loss_scale) finds an overflow only after "
+       "layers were updated, and cannot undo them",
+       "use precision.param_dtype and precision.compute_dtype 'bfloat16'"),
       ("optimizer.update_rule", o.update_rule == "stochastic",
        "update_rule 'stochastic' is not elementwise (its random bits depend on the shape)",
        "use update_rule 'kahan'"),
