@@ -145,14 +145,20 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
                         "(ids 0-255).", key="model.vocab_size", source=where("model.vocab_size"),
                         fix="use model.vocab_size >= 256")
     return
-  kinds = "a .bin or .npy file of token ids" if d.name == "tokens" else "a .txt or .jsonl file"
+  kinds = {"tokens": "a .bin or .npy file of token ids", "text": "a .txt or .jsonl file",
+           "sft": "a .jsonl file of {prompt, completion} or {messages} lines"}[d.name]
   if not d.path:
     raise ConfigError(f"is empty, but data.name={d.name!r} reads its tokens from a file.",
                       key="data.path", source=where("data.path"), fix=f"set data.path to {kinds}")
-  if d.name == "text" and not d.tokenizer:
-    raise ConfigError("is empty, but data.name='text' needs a tokenizer.", key="data.tokenizer",
-                      source=where("data.tokenizer"),
+  if d.name in ("text", "sft") and not d.tokenizer:
+    raise ConfigError(f"is empty, but data.name={d.name!r} needs a tokenizer.",
+                      key="data.tokenizer", source=where("data.tokenizer"),
                       fix="set data.tokenizer to a Hugging Face tokenizer.json")
+  if d.name == "sft" and config.model.name != "llama":
+    # Packed rows need the model to keep examples apart (segment ids, positions).
+    raise ConfigError(f"is {config.model.name!r}, but data.name='sft' needs a model that reads "
+                      "segment ids, positions and a loss mask.", key="model.name",
+                      source=where("model.name"), fix="use model.name='llama'")
   if d.name == "text" and not d.text_key:
     raise ConfigError("is empty.", key="data.text_key", source=where("data.text_key"),
                       fix="set it to the JSONL field that holds each document (usually 'text')")

@@ -207,9 +207,12 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def rope_tables(config: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles at positions 0..T-1: float32[T, Dh] each."""
-  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_frequencies(config)
+def rope_tables(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles at `positions` (int[..., T]; an int T = 0..T-1):
+  float32[..., T, Dh] each (packed examples: positions from 0 in each, as HF's)."""
+  if isinstance(positions, int):
+    positions = jnp.arange(positions)
+  angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
   angles = jnp.concatenate([angles, angles], axis=-1)  # HF: both halves, same angles.
   return jnp.cos(angles), jnp.sin(angles)
 
@@ -217,12 +220,13 @@ def rope_tables(config: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """HF's rotate-half RoPE in fp32: x * cos + rotate_half(x) * sin.
 
-  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh]. Returns x's shape and dtype.
+  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh] or [B, T, Dh]. Returns x's
+  shape and dtype.
   """
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+  return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------ the model
@@ -243,8 +247,10 @@ class Attention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[T, Dh]."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[(B,) T, Dh]; segment_ids:
+    int32[B, T] or None (a position attends only to its own segment)."""
     c = self.config
     B, T, _ = x.shape
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
@@ -255,10 +261,14 @@ class Attention(nn.Module):
     if attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
       cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5,
+      # Packed: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
+      # turns into a [B, 1, T, T] bias (whole scores' size, in the compute dtype).
+      mask = (None if segment_ids is None else
+              (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=Dh ** -0.5,
                                          implementation="cudnn" if cudnn else "xla")
     else:
-      out = blocked_attention(q, k, v, c.attention_block)
+      out = blocked_attention(q, k, v, c.attention_block, segment_ids)
     return _dense(c, c.d_model, ("heads", "embed"), "o_proj")(out.reshape(B, T, H * Dh))
 
 
@@ -280,11 +290,12 @@ class Block(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
-    """(x [B, T, D], (cos, sin)) -> (x, None): the `nn.scan` carry signature."""
+  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+               segment_ids: jax.Array | None = None):
+    """(x [B, T, D], (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature."""
     c = self.config
     norm = lambda name: RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, name=name)
-    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope)
+    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids)
     x = x + Mlp(c, name="mlp")(norm("post_attention_layernorm")(x))
     return x, None
 
@@ -305,7 +316,7 @@ class Llama(nn.Module):
     if c.remat != "none":
       block = nn.remat(block, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
     self.layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                          in_axes=nn.broadcast, length=c.n_layers,
+                          in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})(c)
     self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype)
     if not c.tie_embeddings:
@@ -314,19 +325,21 @@ class Llama(nn.Module):
                               param_dtype=c.param_dtype, kernel_init=init,
                               dot_general=_dot_f32)  # bf16 inputs, fp32 logits.
 
-  def hidden(self, tokens: jax.Array) -> jax.Array:
-    """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`)."""
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+    """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`);
+    positions (None = 0..T-1), segment_ids (None = one): int32[B, T] (packed examples)."""
     c = self.config
     x = self.embed_tokens(tokens)
-    cos, sin = rope_tables(c, tokens.shape[1])
+    cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
     if c.remat == "full" and not self.is_initializing():
       # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
       # whose backward pass writes each layer's gradient over the (fp32) params it was
       # given instead of into a second whole-model array: 4 bytes per param less.
-      block = lambda p, x, cos, sin: Block(c, parent=None).apply(
-          {"params": p}, x, (cos, sin))[0]
-      return scan_layers(block, self.variables["params"]["layers"], x, cos, sin)
-    x, _ = self.layers(x, (cos, sin))
+      block = lambda p, x, cos, sin, seg: Block(c, parent=None).apply(
+          {"params": p}, x, (cos, sin), seg)[0]
+      return scan_layers(block, self.variables["params"]["layers"], x, cos, sin, segment_ids)
+    x, _ = self.layers(x, (cos, sin), segment_ids)
     return x
 
   def head(self, x: jax.Array) -> jax.Array:
@@ -362,16 +375,19 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
   Args:
     config: the model.
     params: unboxed params (layer leaves may be `zerojax.Sharded` at ZeRO stage 3).
-    batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1].
+    batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1];
+      optionally (`zerojax.sft.batch_at`) the inputs' 'segment_ids' and 'positions'
+      (int32[B, T]) and 'loss_mask' (float32[B, T], each target's weight).
     rng: unused (no dropout); `zerojax.make_train_step` passes one.
 
   Returns:
-    The float32 scalar mean over B x T positions.
+    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T).
   """
   del rng
   model, variables = Llama(config), {"params": params}
   tokens = batch["tokens"]
-  x = model.apply(variables, tokens[:, :-1], method=Llama.hidden)
+  x = model.apply(variables, tokens[:, :-1], batch.get("positions"), batch.get("segment_ids"),
+                  method=Llama.hidden)
   targets = tokens[:, 1:]
   B, T, _ = x.shape
   size = min(config.loss_chunk, T)
@@ -379,17 +395,18 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
   pad = n * size - T
   chunks = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
       B, n, size, *a.shape[2:]).swapaxes(0, 1)
-  weights = (jnp.arange(n * size) < T).astype(jnp.float32).reshape(n, size)
+  weights = batch.get("loss_mask", jnp.ones((B, T), jnp.float32)).astype(jnp.float32)
 
   @jax.checkpoint
-  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [size] -> scalar.
+  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [B, size] -> scalar.
     z = model.apply(variables, x, method=Llama.head)
     logz = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     return jnp.sum((logz - picked) * weights)
 
   total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_nll(*xs), None),
-                          jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), weights))
+                          jnp.zeros((), jnp.float32),
+                          (chunks(x), chunks(targets), chunks(weights)))
   return total / (B * T)
 
 
