@@ -42,6 +42,7 @@ from zerojax import (
   peers,
   precision,
   preemption,
+  sft,
   units,
   workdir,
 )
@@ -56,6 +57,7 @@ from zerojax.config import (
 from zerojax.devices import fake_cpu_devices
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
+from zerojax.models.attention import attention_kernel
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
@@ -67,8 +69,8 @@ class Run(NamedTuple):
   args: argparse.Namespace  # train.py's own flags.
   report: metrics.Reporter
   ckpt: checkpoint.Checkpointer | None  # None without a workdir.
-  train_tokens: np.ndarray
-  eval_tokens: np.ndarray
+  train_tokens: np.ndarray | sft.Examples  # sft.Examples for data.name='sft'.
+  eval_tokens: np.ndarray | sft.Examples
   built: Built  # Mesh, model, optimizer, plan, batch sharding.
   train_step: Any  # The compiled step.
 
@@ -130,10 +132,19 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     ckpt.check_config(config)
 
   # Every data mistake surfaces here too, before the model is built or compiled.
-  train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
-                                               cache_dir=c.workdir)
+  data_lines = []
+  if c.data.name == "sft":
+    train_tokens, eval_tokens, data_lines = sft.load(c.data, c.model.vocab_size, c.train.seq_len)
+    if c.data.pack and attention_kernel(c.model.attention, c.precision.compute_dtype) != "blocked":
+      data_lines.append("attention: dot_product with the packed examples' segment mask, which "
+                        "cuDNN takes as a [B, 1, T, T] bias")
+  else:
+    train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
+                                                 cache_dir=c.workdir)
   # Printed once the config and data are known good, so an error is the first thing shown.
   report(f"config {path} {' '.join(overrides)}\n{config}")
+  for line in data_lines:
+    report(f"data: {line}")
   warning = hf.seq_len_warning(c.init_from, c.train.seq_len) if c.init_from else None
   if warning:
     report(warning)
@@ -155,7 +166,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  "
          f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
-         f"tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M\n"
+         f"tokens {_tokens(train_tokens) / 1e6:.1f}M+{_tokens(eval_tokens) / 1e6:.2f}M\n"
          f"per-device memory (compiled): arguments {units.fmt_bytes(mem['arguments'])} + "
          f"temporaries {units.fmt_bytes(mem['temporaries'])} = {units.fmt_bytes(total)}  "
          f"(compile {time.perf_counter() - start:.1f}s)",
@@ -183,6 +194,10 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
   return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)
+
+
+def _tokens(source: np.ndarray | sft.Examples) -> int:
+  return len(source.ids) if isinstance(source, sft.Examples) else len(source)
 
 
 def restore_or_init(run: Run) -> zerojax.TrainState:
@@ -224,8 +239,11 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
 
   def batch(source, step, seed):
     # Each process reads only its own rows of the global batch.
-    local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
-                                     rows=rows)}
+    if isinstance(source, sft.Examples):
+      local = sft.batch_at(source, step, t.global_batch_size, seed, rows=rows)
+    else:
+      local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
+                                       rows=rows)}
     return data.global_batch(local, run.built.batch_sharding)
 
   # A fixed held-out set: the same batches at every evaluation, drawn with another seed.

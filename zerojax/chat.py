@@ -29,6 +29,8 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 
+from zerojax.data import token_text
+
 ROLES = ("system", "user", "assistant", "tool", "ipython")
 
 # Llama 3's chat format: BOS, then per message a role header, the trimmed content and
@@ -54,6 +56,10 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 
 class TemplateError(ValueError):
   """A chat template that cannot be used: a syntax error, or not prefix-stable."""
+
+
+class RenderError(ValueError):
+  """The template failed on one conversation (its `raise_exception`, or an error)."""
 
 
 class ChatTemplate(NamedTuple):
@@ -108,12 +114,6 @@ def compile_template(text: str, tokens: dict[str, str] | None = None,
   return ChatTemplate(template, dict(tokens or {}), source)
 
 
-def _token_text(value: Any) -> str | None:
-  """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-  value = value.get("content") if isinstance(value, dict) else value
-  return value if isinstance(value, str) else None
-
-
 def load_template(tokenizer_path: str) -> ChatTemplate:
   """The chat template of the `tokenizer_config.json` beside `tokenizer_path`, else Llama 3's.
 
@@ -131,7 +131,7 @@ def load_template(tokenizer_path: str) -> ChatTemplate:
       config = json.load(f)
   except ValueError as e:
     raise TemplateError(f"{path} is not JSON ({e})") from None
-  tokens = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+  tokens = {k: t for k in _SPECIAL_KEYS if (t := token_text(config.get(k))) is not None}
   text = config.get("chat_template")
   if isinstance(text, list):
     text = {t.get("name"): t.get("template") for t in text if isinstance(t, dict)}.get("default")
@@ -146,10 +146,14 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
   """The conversation as text, exactly as `apply_chat_template(..., tokenize=False)`.
 
   Raises:
-    jinja2.exceptions.TemplateError: the template refused it (`raise_exception`) or failed.
+    RenderError: the template refused it (`raise_exception`) or failed on it.
   """
-  return template.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   tools=None, documents=None, **template.tokens)
+  try:
+    return template.template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
+                                     **template.tokens)
+  except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError) as e:
+    raise RenderError(f"{type(e).__name__}: {e}") from None
 
 
 def assistant_spans(template: ChatTemplate, messages: list[dict]
@@ -160,7 +164,7 @@ def assistant_spans(template: ChatTemplate, messages: list[dict]
   the turn as rendered (its end-of-turn token included).
 
   Raises:
-    jinja2.exceptions.TemplateError: the template failed on this conversation.
+    RenderError: the template failed on this conversation.
     TemplateError: a prefix of the conversation does not render as a prefix of the whole.
   """
   text = render(template, messages)

@@ -34,11 +34,9 @@ import json
 import os
 from typing import Any
 
-import jinja2
 import numpy as np
 
-from zerojax import chat
-from zerojax.data import DataError, _check_file, eos_token_id, load_tokenizer
+from zerojax.data import DataError, _check_file, eos_token_id, load_tokenizer, special_token_id
 
 # Beginning-of-sequence tokens of common tokenizers, tried when tokenizer_config.json
 # names none (Llama 3, Llama 2 / Mistral, Gemma, GPT-NeoX-style).
@@ -96,20 +94,8 @@ def bos_token_id(tokenizer: Any, path: str) -> int:
   Raises:
     DataError: no BOS token is found.
   """
-  names = []
-  side = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-  if os.path.isfile(side):
-    try:
-      with open(side, encoding="utf-8") as f:
-        names.append(chat._token_text(json.load(f).get("bos_token")))
-    except ValueError:
-      pass  # A damaged side file only loses the hint (chat.load_template reports it).
-  for name in names + list(_BOS_TOKENS):
-    if isinstance(name, str) and tokenizer.token_to_id(name) is not None:
-      return tokenizer.token_to_id(name)
-  raise DataError("the tokenizer has no beginning-of-sequence token zerojax knows "
-                  f"(tokenizer_config.json's bos_token, or one of {', '.join(_BOS_TOKENS)})",
-                  path=path, key="data.tokenizer", fix="set data.add_bos=False")
+  return special_token_id(tokenizer, path, "bos_token", _BOS_TOKENS, "beginning-of-sequence",
+                          "set data.add_bos=False")
 
 
 def _prompt_completion(record: dict, tokenizer: Any, bos: int | None, eos: int | None
@@ -126,8 +112,8 @@ def _prompt_completion(record: dict, tokenizer: Any, bos: int | None, eos: int |
   return head + tail, [False] * len(head) + [True] * len(tail)
 
 
-def _conversation(record: dict, tokenizer: Any, template: chat.ChatTemplate
-                  ) -> tuple[list[int], list[bool]]:
+def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int], list[bool]]:
+  from zerojax import chat  # Imports jinja2 (the `text` extra): only for chat data.
   messages = record["messages"]
   if not isinstance(messages, list) or not all(
       isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -140,7 +126,7 @@ def _conversation(record: dict, tokenizer: Any, template: chat.ChatTemplate
     raise _Skip("no assistant turn with content")
   try:
     text, spans = chat.assistant_spans(template, messages)
-  except jinja2.exceptions.TemplateError as e:
+  except chat.RenderError as e:
     raise _Skip("the chat template failed", str(e)) from None
   encoding = tokenizer.encode(text, add_special_tokens=False)
   starts = np.array([start for start, _ in encoding.offsets] or [0])
@@ -148,6 +134,22 @@ def _conversation(record: dict, tokenizer: Any, template: chat.ChatTemplate
   for start, end in spans:
     mask |= (starts >= start) & (starts < end)
   return encoding.ids, mask.tolist()
+
+
+def _template(tokenizer_path: str) -> Any:
+  """`chat.load_template`, its problems as DataErrors (jinja2 missing, a bad template)."""
+  try:
+    from zerojax import chat  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise DataError("chat data needs the `jinja2` package, which is not installed",
+                    path=tokenizer_path, key="data.tokenizer",
+                    fix="pip install 'zerojax[text]'") from None
+  try:
+    return chat.load_template(tokenizer_path)
+  except chat.TemplateError as e:
+    raise DataError(str(e), path=tokenizer_path, key="data.tokenizer",
+                    fix="fix its tokenizer_config.json, or remove its chat_template to use "
+                        "Llama 3's") from None
 
 
 def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
@@ -191,13 +193,7 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
       if not isinstance(record, dict):
         raise _Skip("not a JSON object")
       if "messages" in record:
-        if template is None:
-          try:
-            template = chat.load_template(d.tokenizer)
-          except chat.TemplateError as e:
-            raise DataError(str(e), path=d.tokenizer, key="data.tokenizer",
-                            fix="fix its tokenizer_config.json, or remove its chat_template "
-                                "to use Llama 3's") from None
+        template = template or _template(d.tokenizer)
         example, mask = _conversation(record, tokenizer, template)
       elif "prompt" in record or "completion" in record:
         example, mask = _prompt_completion(record, tokenizer, bos, eos)
@@ -218,10 +214,12 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
     except _Skip as skip:
       skips[skip.reason].append((number, skip.detail))
       continue
-    except chat.TemplateError as e:
+    except ValueError as e:  # chat.TemplateError: not prefix-stable (DataError passes).
+      if isinstance(e, DataError):
+        raise
       raise DataError(str(e), path=d.tokenizer, key="data.tokenizer",
-                      fix="set data.train_on='all', or use a template that renders a "
-                          "conversation's beginning as a prefix") from None
+                      fix="use a template that renders a conversation's beginning as a "
+                          "prefix of it") from None
     ids.append(np.asarray(example, np.int32))
     masks.append(np.asarray(mask, bool))
   skipped = "; ".join(

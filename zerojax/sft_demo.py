@@ -82,10 +82,13 @@ def write(folder: str, train: int = 20000, held_out: int = 200, seed: int = 0) -
   train_set = tasks(train, seed)
   seen = {t["prompt"] for t in train_set}
   eval_set = [t for t in tasks(3 * held_out, seed + 1) if t["prompt"] not in seen][:held_out]
+  # Several processes may write at once: each its own temporary files, renamed last (the
+  # tokenizer last of all), so a half-written folder is never read.
+  tmp = {k: f"{p}.{os.getpid()}.tmp" for k, p in paths.items()}
   for key, rows in (("train", train_set), ("eval", eval_set)):
-    with open(paths[key] + ".tmp", "w", encoding="utf-8") as f:
+    with open(tmp[key], "w", encoding="utf-8") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
-  byte_tokenizer().save(paths["tokenizer"] + ".tmp")
-  for p in paths.values():  # Renamed last, so a half-written folder is never reused.
-    os.replace(p + ".tmp", p)
+  byte_tokenizer().save(tmp["tokenizer"])
+  for key in ("train", "eval", "tokenizer"):
+    os.replace(tmp[key], paths[key])
   return paths
