@@ -81,3 +81,25 @@ def _alone(examples: sft.Examples, i: int) -> dict:
   one = examples.subset(np.array([i]))
   one.pack = False
   return sft.batch_at(one, 0, 1, seed=0)
+
+
+def test_the_step_over_devices_and_microbatches_is_the_mean_over_trained_tokens(examples):
+  """Stage 3 on 8 devices, 2 microbatches: the step's loss and gradient norm are those of
+  the global batch's mean over its trained tokens, computed whole on one device (the
+  loader's weights make each device's mean over positions add up to it)."""
+  import optax
+
+  import zerojax
+  c = config("blocked")
+  model = llama.LlamaLM(c)
+  batch = sft.batch_at(examples, 0, 16, seed=0)
+  tx = optax.sgd(0.0)
+  plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 3, jax.eval_shape(model.init, jax.random.key(0)),
+                           tx, logical_axes=model.logical_axes(), min_shard_size=0)
+  state = zerojax.init_state(plan, model.init, tx, jax.random.key(0))
+  params = jax.device_get(state.params)  # Whole, on the host.
+  want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: llama.loss(c, p, batch)))(params)
+  _, metrics = zerojax.make_train_step(plan, model.loss, tx, microbatches=2)(state, batch)
+  assert abs(float(metrics["loss"]) - float(want_loss)) <= 1e-5 * float(want_loss)
+  want_norm = float(optax.tree.norm(want_grads))
+  assert abs(float(metrics["grad_norm"]) - want_norm) <= 1e-5 * want_norm
