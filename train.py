@@ -36,6 +36,7 @@ from zerojax import (
   data,
   distributed,
   exits,
+  generate,
   memory,
   memory_report,
   metrics,
@@ -249,9 +250,17 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
   # A fixed held-out set: the same batches at every evaluation, drawn with another seed.
   eval_set = [batch(run.eval_tokens, i, c.seed + 1) for i in range(t.eval_batches)]
 
-  def evaluate() -> float:
+  def evaluate(step: int) -> float:
     # float() waits for each batch: one program with collectives in flight at a time.
-    return float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
+    loss = float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
+    extra = {}
+    if t.eval_exact_match:  # Greedy decoding on whole params (a model that fits a device).
+      extra["exact_match"] = generate.exact_match(model.logits, jax.device_get(state.params),
+                                                  run.eval_tokens, t.eval_exact_match)
+    report(f"step {step:6d}  eval_loss {loss:.4f}"
+           + "".join(f"  {k} {v:.3f}" for k, v in extra.items()),
+           step=step, eval_loss=loss, **extra)
+    return loss
 
   def check_skips(step, m):
     m = {k: float(m[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
@@ -259,8 +268,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
-  eval_loss = evaluate()
-  report(f"step {start:6d}  eval_loss {eval_loss:.4f}", step=start, eval_loss=eval_loss)
+  eval_loss = evaluate(start)
   tokens_per_step = t.global_batch_size * t.seq_len
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
@@ -283,8 +291,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     else:
       report.advance(step)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-      eval_loss = evaluate()
-      report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+      eval_loss = evaluate(step)
     if ckpt:
       ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
     # --stop_after: exactly like a SIGTERM. After the last step, done is done.

@@ -42,6 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.log_every = 50
   c.train.eval_every = 100
   c.train.eval_batches = 2  # 32 rows: the 200 held-out examples, about once.
+  c.train.eval_exact_match = 200  # Greedy answers to the held-out prompts, exact or not.
   c.optimizer.learning_rate = 3e-3
   c.optimizer.warmup_steps = 50
   return c

@@ -198,3 +198,25 @@ def test_batches_are_a_pure_function_of_seed_and_step_over_epochs(tmp_path, pack
       parts = [sft.batch_at(ex, 7, B, 3, rows=data.rows_for(B, i, count)) for i in range(count)]
       whole = sft.batch_at(ex, 7, B, 3)
       assert all(np.array_equal(np.concatenate([p[k] for p in parts]), whole[k]) for k in whole)
+
+
+def test_train_py_exits_2_when_no_example_is_usable(tmp_path):
+  """Bad lines are reported, and a file with none usable stops train.py before it builds
+  anything: one error line naming the file and each reason, exit 2, no traceback."""
+  import subprocess
+  import sys
+
+  from zerojax.devices import fake_devices_env
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "1+1="}\nnot json\n{"messages": [{"role": "user", "content": "x"}]}\n')
+  out = subprocess.run(
+      [sys.executable, os.path.join(repo, "train.py"), "--config",
+       os.path.join(repo, "configs", "sft_tiny.py"), f"--config.data.path={bad}"],
+      cwd=repo, env=fake_devices_env(1), capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.startswith(f"error: {bad} (data.path): no usable example: ")
+  for reason in ("no string field 'completion' (first: line 1)", "not JSON (first: line 2",
+                 "no assistant turn with content (first: line 3)"):
+    assert reason in out.stderr
+  assert "Traceback" not in out.stderr and not out.stdout

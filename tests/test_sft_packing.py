@@ -103,3 +103,35 @@ def test_the_step_over_devices_and_microbatches_is_the_mean_over_trained_tokens(
   assert abs(float(metrics["loss"]) - float(want_loss)) <= 1e-5 * float(want_loss)
   want_norm = float(optax.tree.norm(want_grads))
   assert abs(float(metrics["grad_norm"]) - want_norm) <= 1e-5 * want_norm
+
+
+def test_greedy_decoding_and_exact_match(examples):
+  """`greedy` on a padded buffer = appending the argmax of the logits of each prompt alone,
+  one token at a time; exact match counts an answer right only if every token is."""
+  from zerojax import generate
+  c = config("blocked")
+  model = llama.LlamaLM(c)
+  params = model.init(jax.random.key(1))
+  pairs = generate.prompts_and_answers(examples, 3)
+  steps, width = 4, max(len(p) for p, _ in pairs) + 4
+  tokens = np.zeros((3, width), np.int32)
+  for b, (p, _) in enumerate(pairs):
+    tokens[b, :len(p)] = p
+  lengths = np.array([len(p) for p, _ in pairs], np.int32)
+  out = np.asarray(jax.jit(lambda t, n: generate.greedy(model.logits, params, t, n, steps))(
+      tokens, lengths))
+  for b, (p, _) in enumerate(pairs):
+    seq = list(p)
+    for _ in range(steps):
+      seq.append(int(np.argmax(model.logits(params, np.array([seq], np.int32))[0, -1])))
+    assert out[b, :len(seq)].tolist() == seq
+  # Examples whose answers are what the model says (right) or one token off (wrong).
+  said = [out[b, len(p):len(p) + steps] for b, (p, _) in enumerate(pairs)]
+  wrong = said[1].copy()
+  wrong[-1] = (wrong[-1] + 1) % c.vocab_size
+  rows = [(pairs[0][0], said[0]), (pairs[1][0], wrong), (pairs[2][0], said[2])]
+  ids = np.concatenate([np.concatenate([p, a]) for p, a in rows]).astype(np.int32)
+  mask = np.concatenate([np.r_[np.zeros(len(p), bool), np.ones(len(a), bool)] for p, a in rows])
+  lengths = np.array([len(p) + len(a) for p, a in rows])
+  rigged = sft.Examples(ids, mask, np.r_[0, np.cumsum(lengths)[:-1]], lengths, 64, True)
+  assert generate.exact_match(model.logits, params, rigged, 3, batch_size=2) == 2 / 3

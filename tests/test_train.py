@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import data, exits, optim
+from zerojax import data, exits, optim, sft_demo
 from zerojax.config import base_config
 from zerojax.devices import fake_devices_env
 from zerojax.mesh import make_mesh
@@ -20,6 +20,7 @@ from zerojax.mesh import make_mesh
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
+SFT_TINY = os.path.join(REPO, "configs", "sft_tiny.py")
 
 
 def train_env(**extra: str) -> dict[str, str]:
@@ -214,8 +215,12 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,mesh", [(1, "--config.mesh.data=2"), (3, "--config.mesh.fsdp=8")])
-def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
+@pytest.mark.parametrize("stage,mesh,config", [
+    (1, "--config.mesh.data=2", TINY), (3, "--config.mesh.fsdp=8", TINY),
+    # Fine-tuning data, packed: 1200 examples make about 150 rows of 129 tokens, so the
+    # stop after step 10 (row 160) lands in the second epoch; the run ends in the third.
+    (3, "--config.mesh.data=2", SFT_TINY)])
+def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
 
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
@@ -223,7 +228,11 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
   moments, Kahan buffers, step, rng, loss scale), read back from disk.
   """
   k = 10
-  common = ("--config", TINY, f"--config.zero.stage={stage}", mesh,
+  extra = ()
+  if config == SFT_TINY:
+    paths = sft_demo.write(str(tmp_path / "sft"), train=1200, held_out=20)
+    extra = (f"--config.data.path={paths['train']}", f"--config.data.eval_path={paths['eval']}")
+  common = ("--config", config, *extra, f"--config.zero.stage={stage}", mesh,
             f"--config.train.steps={2 * k}", "--config.optimizer.warmup_steps=4",
             "--config.train.log_every=1", "--config.train.eval_every=0",
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4")

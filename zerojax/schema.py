@@ -137,6 +137,8 @@ _ROWS = (
     Field("train.eval_every", 50, "Held-out loss every this many steps; 0 disables.",
           range=NON_NEGATIVE),
     Field("train.eval_batches", 4, "Held-out batches per evaluation.", range=AT_LEAST_1),
+    Field("train.eval_exact_match", 0, "sft: at each evaluation, greedy-decode this many held-out "
+          "prompts and report the share answered exactly; 0 = off.", range=NON_NEGATIVE),
     Field("train.peak_flops", 0.0, "Peak FLOP/s of one device, for MFU; 0 = from the device kind "
           "(none on CPU).", range=NON_NEGATIVE),
     # checkpoint

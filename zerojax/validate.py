@@ -134,6 +134,10 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
   """The keys each data source needs; `zerojax.data.load_tokens` checks the files themselves."""
   d = config.data
   where = lambda *keys: source_of(source, *keys, "data.name")
+  if config.train.eval_exact_match and d.name != "sft":
+    raise ConfigError(f"is {config.train.eval_exact_match}, but only data.name='sft' has prompts "
+                      "with answers.", key="train.eval_exact_match",
+                      source=where("train.eval_exact_match"), fix="set it to 0")
   if d.name == "stdlib":
     if d.path or d.eval_path:
       key = "data.path" if d.path else "data.eval_path"
