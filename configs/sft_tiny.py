@@ -6,8 +6,10 @@
 Data: `zerojax.sft_demo` writes 20,000 {prompt, completion} tasks (sums and differences of
 two numbers below 100, reversing or sorting a short word), 200 held-out prompts not in
 them and a byte-level tokenizer into <tmp>/zerojax-sft-tiny-v1 the first time this file
-is read; nothing is downloaded. The loss is on the completions only, examples packed
-into rows of 128 tokens; the held-out loss is the completions' loss.
+is read; nothing is downloaded. The model, optimizer, batch and steps are
+configs/tiny.py's; the loss is on the completions only, examples packed into rows of 128
+tokens; each evaluation reports the completions' loss and the share of held-out prompts
+answered exactly by greedy decoding.
 """
 
 import os
@@ -16,33 +18,20 @@ import tempfile
 import ml_collections
 
 from zerojax import sft_demo
-from zerojax.config import base_config
+from zerojax.config import load_config
+
+TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = base_config()  # Every key and its default; only values change here.
+  c = load_config(TINY)  # The quick start; only the data and evaluation change here.
   paths = sft_demo.write(os.path.join(tempfile.gettempdir(), "zerojax-sft-tiny-v1"))
   c.data.name = "sft"
   c.data.path = paths["train"]
   c.data.eval_path = paths["eval"]
   c.data.tokenizer = paths["tokenizer"]
-  c.model.name = "llama"
   c.model.vocab_size = 264  # 256 bytes + 5 special tokens, rounded up to a multiple of 8.
-  c.model.d_model = 128
-  c.model.n_layers = 4
-  c.model.n_heads = 4
-  c.model.n_kv_heads = 2
-  c.model.d_ff = 384
-  c.model.attention_block = 128  # One block at this length.
-  c.model.loss_chunk = 128
-  c.model.remat = "dots"  # Small enough to keep matmul outputs.
-  c.train.seq_len = 128  # About 8 examples per row.
-  c.train.global_batch_size = 16  # Divisible by 1, 2, 4, 8 and 16 devices.
-  c.train.steps = 600
-  c.train.log_every = 50
   c.train.eval_every = 100
-  c.train.eval_batches = 2  # 32 rows: the 200 held-out examples, about once.
+  c.train.eval_batches = 2  # 32 rows of about 8 examples: the 200 held-out ones, about once.
   c.train.eval_exact_match = 200  # Greedy answers to the held-out prompts, exact or not.
-  c.optimizer.learning_rate = 3e-3
-  c.optimizer.warmup_steps = 50
   return c
