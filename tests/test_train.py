@@ -267,6 +267,13 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
     differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
     assert not differ, f"step {step}: {differ}"
   assert int(x["['step']"]) == 2 * k and x["['rng']"].shape == (2,)
+  if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params).
+    said = subprocess.run([sys.executable, "-m", "zerojax.generate", f"--workdir={resumed}",
+                           "--prompt=12+30=", "--max_new=8"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")
+    assert len(said.stdout.splitlines()) == 2  # The answer: up to 8 bytes, cut at EOS.
   assert any("compensation" in p for p in x) and any("['loss_scale']" in p for p in x)
   assert any("['mu']" in p for p in x) and any("['nu']" in p for p in x)
   if stage == 3:

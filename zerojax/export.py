@@ -19,6 +19,44 @@ from zerojax.models.safetensors_file import HFError
 from zerojax.units import parse_bytes
 
 
+def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
+  """The checkpoint `step` (default: the newest intact one) of `workdir`, on every device.
+
+  Its own config is built as train.py builds it, at stage 3 over every device here.
+
+  Returns:
+    (config, built, state, step).
+
+  Raises:
+    HFError: no checkpoint, or not a Llama.
+    zerojax.checkpoint.CheckpointError: a damaged checkpoint.
+  """
+  # pylint: disable=import-outside-toplevel
+  import ml_collections
+
+  from zerojax import build, checkpoint
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise HFError("no checkpoints directory: nothing to read", path=directory,
+                  fix="pass the --workdir of a train.py run that saved a checkpoint")
+  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise HFError("no checkpoint in it", path=directory)
+    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
+    if config.model.name != "llama":
+      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
+    # Every device here, whatever the run had: stage 3 over all of them.
+    config.zero.stage, config.mesh.data, config.mesh.fsdp = 3, 1, -1
+    built = build.build(config)
+    state, meta = ckpt.restore(step, built.plan) if step else ckpt.restore_latest(built.plan)
+    print(f"restored {directory}/{meta['step']}", flush=True)
+    return config, built, state, meta["step"]
+  finally:
+    ckpt.close()
+
+
 def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
                       **kwargs: Any) -> list[str]:
   """Exports checkpoint `step` of `workdir` (default: the newest intact one) to `out`.
@@ -36,31 +74,9 @@ def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
     HFError: no checkpoint, or not a Llama.
     zerojax.checkpoint.CheckpointError: a damaged checkpoint.
   """
-  # pylint: disable=import-outside-toplevel
-  import ml_collections
-
-  from zerojax import build, checkpoint
-  from zerojax.models import hf
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise HFError("no checkpoints directory: nothing to export", path=directory,
-                  fix="pass the --workdir of a train.py run that saved a checkpoint")
-  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
-  try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise HFError("no checkpoint in it", path=directory)
-    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
-    if config.model.name != "llama":
-      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
-    # Every device here, whatever the run had: stage 3 over all of them.
-    config.zero.stage, config.mesh.data, config.mesh.fsdp = 3, 1, -1
-    built = build.build(config)
-    state, meta = ckpt.restore(step, built.plan) if step else ckpt.restore_latest(built.plan)
-    print(f"restored {directory}/{meta['step']}", flush=True)
-    return hf.save_params(state.params, built.model.config, out, **kwargs)
-  finally:
-    ckpt.close()
+  from zerojax.models import hf  # pylint: disable=import-outside-toplevel
+  _, built, state, _ = restore(workdir, step)
+  return hf.save_params(state.params, built.model.config, out, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
