@@ -272,8 +272,7 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
                            "--prompt=12+30=", "--max_new=8"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180)
     assert said.returncode == 0, said.stderr[-2000:]
-    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")
-    assert len(said.stdout.splitlines()) == 2  # The answer: up to 8 bytes, cut at EOS.
+    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # Then the answer.
   assert any("compensation" in p for p in x) and any("['loss_scale']" in p for p in x)
   assert any("['mu']" in p for p in x) and any("['nu']" in p for p in x)
   if stage == 3:
