@@ -273,6 +273,27 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
                           capture_output=True, text=True, timeout=180)
     assert said.returncode == 0, said.stderr[-2000:]
     assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # Then the answer.
+    # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
+    # files (loadable, the same ids), the chat template trained with, bos/eos ids.
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "zerojax.export", f"--workdir={resumed}",
+                           f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from safetensors.numpy import load_file
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.embed_tokens.weight"].tobytes() == y[
+        "['params']['embed_tokens']['embedding']"].tobytes()
+    assert tensors["model.layers.1.mlp.up_proj.weight"].tobytes() == y[
+        "['params']['layers']['mlp']['up_proj']['kernel']"][1].T.copy().tobytes()
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("12+30=").ids == sft_demo.byte_tokenizer().encode("12+30=").ids
+    side = json.loads((out / "tokenizer_config.json").read_text())
+    assert side["bos_token"] == "<|begin_of_text|>" and "<|eot_id|>" in side["chat_template"]
+    ids = {"bos_token_id": 256, "eos_token_id": [257, 260]}  # <|end_of_text|>, <|eot_id|>.
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [257, 260]
+    assert ids.items() <= json.loads((out / "config.json").read_text()).items()
   assert any("compensation" in p for p in x) and any("['loss_scale']" in p for p in x)
   assert any("['mu']" in p for p in x) and any("['nu']" in p for p in x)
   if stage == 3:
