@@ -220,3 +220,14 @@ def test_train_py_exits_2_when_no_example_is_usable(tmp_path):
                  "no assistant turn with content (first: line 3)"):
     assert reason in out.stderr
   assert "Traceback" not in out.stderr and not out.stdout
+
+
+def test_sft_keys_with_another_source_are_refused():
+  from zerojax.config import ConfigError, load_config
+  base = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "base.py")
+  with pytest.raises(ConfigError, match="data.pack .*only data.name='sft' reads it"):
+    load_config(base, ["data.pack=False"])
+  with pytest.raises(ConfigError, match="data.name='sft' needs a model that reads segment ids"):
+    load_config(base, ["data.name=sft", "data.path=x.jsonl", "data.tokenizer=t.json",
+                       "model.name=mlp_lm"])

@@ -138,6 +138,13 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
     raise ConfigError(f"is {config.train.eval_exact_match}, but only data.name='sft' has prompts "
                       "with answers.", key="train.eval_exact_match",
                       source=where("train.eval_exact_match"), fix="set it to 0")
+  if d.name != "sft":
+    base = schema()[0]
+    for key in ("train_on", "add_bos", "add_eos", "pack", "too_long"):
+      if d[key] != base[f"data.{key}"]:
+        raise ConfigError(f"is set to {d[key]!r}, but only data.name='sft' reads it.",
+                          key=f"data.{key}", source=where(f"data.{key}"),
+                          fix="remove it, or set data.name='sft'")
   if d.name == "stdlib":
     if d.path or d.eval_path:
       key = "data.path" if d.path else "data.eval_path"
