@@ -157,9 +157,12 @@ def test_bad_lines_are_skipped_counted_and_named(tmp_path):
     read(tmp_path, [lines[8]], seq_len=16, tokenizer=folder_with(tmp_path, None))
 
 
-def test_a_template_that_does_not_parse_is_an_error(tmp_path):
+def test_a_template_that_does_not_parse_or_is_not_prefix_stable_is_an_error(tmp_path):
   with pytest.raises(DataError, match="does not parse"):
     read(tmp_path, [{"messages": CONVERSATIONS[1]}], tokenizer=folder_with(tmp_path, "{% for %}"))
+  backwards = "{% for m in messages | reverse %}{{ m['content'] }}{% endfor %}"
+  with pytest.raises(DataError, match="does not render the first 1 messages as a prefix"):
+    read(tmp_path, [{"messages": CONVERSATIONS[1]}], tokenizer=folder_with(tmp_path, backwards))
 
 
 def small(tmp_path, pack: bool) -> sft.Examples:

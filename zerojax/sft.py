@@ -128,6 +128,9 @@ def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int
     text, spans = chat.assistant_spans(template, messages)
   except chat.RenderError as e:
     raise _Skip("the chat template failed", str(e)) from None
+  except chat.TemplateError as e:  # Not prefix-stable: a property of the template.
+    raise DataError(str(e), key="data.tokenizer", fix="use a template that renders a "
+                    "conversation's beginning as a prefix of it") from None
   encoding = tokenizer.encode(text, add_special_tokens=False)
   starts = np.array([start for start, _ in encoding.offsets] or [0])
   mask = np.zeros(len(encoding.ids), bool)
@@ -214,12 +217,6 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
     except _Skip as skip:
       skips[skip.reason].append((number, skip.detail))
       continue
-    except ValueError as e:  # chat.TemplateError: not prefix-stable (DataError passes).
-      if isinstance(e, DataError):
-        raise
-      raise DataError(str(e), path=d.tokenizer, key="data.tokenizer",
-                      fix="use a template that renders a conversation's beginning as a "
-                          "prefix of it") from None
     ids.append(np.asarray(example, np.int32))
     masks.append(np.asarray(mask, bool))
   skipped = "; ".join(
