@@ -24,7 +24,8 @@ def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
   """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
 
   Scores are fp32 [B, K, G, S, T], masked causally and to the query's segment (q_seg
-  int32[B, S], k_seg int32[B, T]), softmax in fp32. Returns [B, S, K, G, Dh] in q's dtype.
+  int32[B, S], k_seg int32[B, T]; None: one segment, no compare), softmax in fp32.
+  Returns [B, S, K, G, Dh] in q's dtype.
   """
   Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
   # Ties the mask to this block's queries. Computed from constants alone, it would be
@@ -32,9 +33,10 @@ def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
   # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
   start, q_blk = jax.lax.optimization_barrier((start, q_blk))
   s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
-  causal = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
-  visible = causal & (q_seg[:, :, None] == k_seg[:, None, :])  # [B, S, T]
-  p = jax.nn.softmax(jnp.where(visible[:, None, None], s * Dh ** -0.5, -1e30), axis=-1)
+  visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
+  if q_seg is not None:  # [B, 1, 1, S, T]: also the query's own segment.
+    visible = (visible & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
+  p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
   out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.astype(q_blk.dtype)
@@ -106,9 +108,9 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
   q = q.reshape(B, T, K, H // K, Dh)
   q = jnp.pad(q, ((0, 0), (0, n * size - T), (0, 0), (0, 0), (0, 0)))
   q = q.reshape(B, n, size, K, H // K, Dh).swapaxes(0, 1)  # [n, B, size, K, G, Dh]
-  if segment_ids is None:
-    segment_ids = jnp.zeros((B, T), jnp.int32)
-  q_seg = jnp.pad(segment_ids, ((0, 0), (0, n * size - T)))
-  q_seg = q_seg.reshape(B, n, size).swapaxes(0, 1)  # [n, B, size]
+  q_seg = None  # Unpacked: no segment compare at all.
+  if segment_ids is not None:
+    q_seg = jnp.pad(segment_ids, ((0, 0), (0, n * size - T)))
+    q_seg = q_seg.reshape(B, n, size).swapaxes(0, 1)  # [n, B, size]
   out = _attend_blocks(q, k, v, q_seg, segment_ids)
   return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]

@@ -211,7 +211,7 @@ def rope_tables(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Ar
   """cos and sin of the rotary angles at `positions` (int[..., T]; an int T = 0..T-1):
   float32[..., T, Dh] each (packed examples: positions from 0 in each, as HF's)."""
   if isinstance(positions, int):
-    positions = jnp.arange(positions)
+    positions = jnp.arange(positions, dtype=jnp.float32)
   angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
   angles = jnp.concatenate([angles, angles], axis=-1)  # HF: both halves, same angles.
   return jnp.cos(angles), jnp.sin(angles)
