@@ -234,3 +234,12 @@ def test_sft_keys_with_another_source_are_refused():
   with pytest.raises(ConfigError, match="data.name='sft' needs a model that reads segment ids"):
     load_config(base, ["data.name=sft", "data.path=x.jsonl", "data.tokenizer=t.json",
                        "model.name=mlp_lm"])
+
+
+def test_generation_tags_render_their_body():
+  """transformers' `{% generation %}` blocks parse and render as their contents."""
+  t = chat.compile_template("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                            "{% generation %}A:{{ m['content'] }}{% endgeneration %}"
+                            "{% else %}U:{{ m['content'] }}{% endif %}{% endfor %}")
+  messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+  assert chat.assistant_spans(t, messages) == ("U:hiA:yo", [(4, 8)])
