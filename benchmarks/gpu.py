@@ -23,6 +23,9 @@ measurement, an out-of-memory or a hang costs one row, not the run):
    the process's max RSS, which includes the runtime), and the memory planner's estimate
    (`zerojax.memory.estimate(config, devices).total`). A variant whose compiled memory
    exceeds the device is reported as not fitting without being run.
+4. **offload** (`--offload`, default 8b): the same step with `optimizer.offload=host`
+   (remat full), so the device peak and step time sit beside the run without it: the
+   proof that the device bytes fall by the optimizer state (XLA:CPU cannot show it).
 
 The run stops starting new measurements when `--budget` seconds are spent; results are
 written after every measurement, so a run cut short keeps what it measured.
@@ -69,6 +72,8 @@ def parse_args(argv=None):
                   help="tiny shapes on CPU (default when no GPU is found)")
   ap.add_argument("--configs", default="1b,8b", help="comma list of " + ", ".join(CONFIGS))
   ap.add_argument("--remat", default=",".join(REMATS), help="comma list of " + ", ".join(REMATS))
+  ap.add_argument("--offload", default="8b",
+                  help="comma list of configs also run with optimizer.offload=host (remat full)")
   ap.add_argument("--steps", type=int, default=0, help="timed steps (default GPU 4, CPU 2)")
   ap.add_argument("--batch", type=int, default=0, help="sequences per step (default per config)")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -235,7 +240,9 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   m = compiled.memory_analysis()
   out["compiled"] = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
                          aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
-                         peak=getattr(m, "peak_memory_in_bytes", None))
+                         peak=getattr(m, "peak_memory_in_bytes", None),
+                         host_arguments=m.host_argument_size_in_bytes,
+                         host_temporaries=m.host_temp_size_in_bytes)
   out["compiled_bytes"] = (m.argument_size_in_bytes + m.output_size_in_bytes
                            - m.alias_size_in_bytes + m.temp_size_in_bytes)
   _planner_estimate(config, jax.device_count(), out)
@@ -447,19 +454,23 @@ def main(argv=None):
   remats = [r for r in args.remat.split(",") if r]
   # The most informative first: full remat of every config, then the other policies,
   # smallest config first (8B with 'dots' or 'none' is not expected to fit one GPU).
-  order = ([(c, r) for r in remats[:1] for c in configs]
-           + [(c, r) for c in configs for r in remats[1:]])
-  for cfg, remat in order:
-    name = f"{cfg}/{remat}"
+  # Offload beside the first remat policy's run it is compared with.
+  offload = [c for c in args.offload.split(",") if c in configs]
+  order = ([(c, r, ()) for r in remats[:1] for c in configs]
+           + [(c, remats[0], ("optimizer.offload=host",)) for c in offload if remats]
+           + [(c, r, ()) for c in configs for r in remats[1:]])
+  for cfg, remat, extra in order:
+    name = f"{cfg}/{remat}" + ("+offload" if extra else "")
     if left() < min(30, cap[cfg] / 2):
       res["mfu"].append(dict(name=name, config=CONFIGS[cfg], remat=remat, status="skipped",
                              error=f"time budget of {args.budget:.0f} s spent"))
       continue
     print(f"{name} ...", flush=True)
     r = spawn(dict(kind="mfu", config=cfg, remat=remat, cpu=args.cpu, steps=args.steps,
-                   batch=args.batch, set=args.set), min(cap[cfg], left()), args.cpu)
+                   batch=args.batch, set=args.set + list(extra)), min(cap[cfg], left()),
+              args.cpu)
     r.setdefault("config", CONFIGS[cfg])
-    r.setdefault("remat", remat)
+    r["remat"] = remat + (" + offload" if extra else "")
     r["name"] = name
     res["mfu"].append(r)
     print(f"  {r.get('status')} in {r['wall_s']:.0f} s"

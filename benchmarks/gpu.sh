@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-GPU benchmark (benchmarks/gpu.py): MFU of configs/1b_bf16.py and configs/8b_bf16.py
-# at ZeRO stage 3 (remat full / dots / none), the bf16 Kahan AdamW update's memory
-# bandwidth against the device's peak, per-device memory against the planner.
+# at ZeRO stage 3 (remat full / dots / none), the 8B with its optimizer state offloaded
+# to host memory (optimizer.offload=host: device peak and step time beside the run
+# without), the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
+# per-device memory against the planner.
 #
 #   bash benchmarks/gpu.sh            # one H200, under 8 minutes -> benchmarks/results/gpu.json
 #   bash benchmarks/gpu.sh --cpu      # tiny shapes on CPU, ~1 minute -> benchmarks/results/gpu_cpu.json

@@ -101,8 +101,8 @@ def test_state_matches_the_plan_exactly():
 # -------------------------------------------------------------------- suggestions
 
 
-KINDS = ("Kahan", "ZeRO stage", "bf16 optimizer state", "remat", "microbatches", "Lion",
-         "devices of this size")
+KINDS = ("Kahan", "ZeRO stage", "bf16 optimizer state", "remat", "microbatches",
+         "offloaded", "Lion", "devices of this size")
 
 
 def kind(suggestion) -> int:
@@ -113,7 +113,8 @@ def kind(suggestion) -> int:
     # DeepSpeed-like (fp32 master, fp32 Adam) on 16 x 88 GB: Kahan alone fits.
     (("optimizer.update_rule=master", "optimizer.state_dtype=float32",
       "train.global_batch_size=16"), 16, 88 * GB,
-     ["Kahan", "bf16 optimizer state", "Lion", "32 devices of this size"]),
+     ["Kahan", "bf16 optimizer state", "optimizer state offloaded", "Lion",
+      "32 devices of this size"]),
     # The same at stage 2 on 16 x 80 GB: no one change is enough; together, cheapest first.
     (("optimizer.update_rule=master", "optimizer.state_dtype=float32", "zero.stage=2",
       "train.global_batch_size=16"), 16, 80 * GB,

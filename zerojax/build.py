@@ -52,9 +52,11 @@ def build(config) -> Built:
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
   loss_scaling = precision.loss_scaling_from_config(c.precision)
+  check_offload(c, jax.devices()[0])
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
                            tx, logical_axes=model.logical_axes(),
-                           min_shard_size=c.zero.min_shard_size)
+                           min_shard_size=c.zero.min_shard_size,
+                           offload=c.optimizer.offload == "host")
   if c.optimizer.release:
     train_step = make_release_step(
         plan, model.layered(), tx, microbatches=t.microbatches,
@@ -74,9 +76,23 @@ def build(config) -> Built:
                zerojax.abstract_state(plan), abstract_batch)
 
 
+def check_offload(config, device) -> None:
+  """ConfigError (exit 2) for `optimizer.offload='host'` on a `device` that cannot address
+  pinned host memory (validate.py's checks run before JAX is started; this one needs it)."""
+  from zerojax import offload  # pylint: disable=import-outside-toplevel
+  from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
+  if config.optimizer.offload == "host" and not offload.has_host_memory(device):
+    kinds = ", ".join(offload.memory_kinds(device)) or "none"
+    raise ConfigError(
+        f"is 'host', but {device.platform} device {device.id} has no pinned_host memory "
+        f"(its memory kinds: {kinds}).", key="optimizer.offload",
+        fix="use optimizer.offload='none' (the planner's suggestions list other ways to fit)")
+
+
 def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
   """Compiles the step from abstract inputs: (the executable, XLA's per-device bytes
-  (arguments, temporaries, outputs, aliased) and the compile time in seconds).
+  (arguments in device memory, temporaries, outputs, aliased, host_arguments: the state
+  offloaded to host memory) and the compile time in seconds).
 
   The executable runs the step on real inputs laid out like the abstract ones, so a
   trainer that reports memory compiles once. `dump_to`: also dump the compiled module
@@ -88,9 +104,14 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
   compiled = built.train_step.lower(built.abstract_state, built.abstract_batch).compile(
       compiler_options=options)
   mem = compiled.memory_analysis()
-  return compiled, dict(arguments=mem.argument_size_in_bytes, temporaries=mem.temp_size_in_bytes,
+  arguments, host = mem.argument_size_in_bytes, mem.host_argument_size_in_bytes
+  if built.plan.offload and not host:  # XLA:CPU: host parameters counted as arguments.
+    from zerojax import offload  # pylint: disable=import-outside-toplevel
+    host = offload.host_parameter_bytes(compiled.as_text())
+    arguments -= host
+  return compiled, dict(arguments=arguments, temporaries=mem.temp_size_in_bytes,
                         outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
-                        seconds=time.perf_counter() - start)
+                        host_arguments=host, seconds=time.perf_counter() - start)
 
 
 def compiled_memory(built: Built, dump_to: str | None = None) -> dict:

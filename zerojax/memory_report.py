@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from zerojax.memory import (
+  DEVICES_PER_NODE,
   DTYPE_BYTES,
   Estimate,
   RunSpec,
@@ -65,6 +66,7 @@ def _labels(s: RunSpec) -> dict:
       "head gradient": "head gradient (fp32, whole)",
       "loss chunk": "loss chunk (fp32 logits)",
       "embedding copy": "embedding copy (XLA:CPU)",
+      "streamed state": "optimizer state streamed in for the update",
       "batch": "batch (int32 tokens)"}
 
 
@@ -125,6 +127,12 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   if compiled and _cpu_without_memory_flags():
     lines.append("(compiled by XLA:CPU without its memory flags, which the estimate assumes: "
                  "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
+  if e.host:
+    node = min(s.devices, DEVICES_PER_NODE)
+    lines.append("host memory (optimizer.offload=host): " + " + ".join(
+        f"{labels[k]} {fmt_bytes(v)}" for k, v in e.host.items())
+        + f" = {fmt_bytes(e.host_total)} per device, {fmt_bytes(e.host_per_node)} per node "
+        f"of {node} device(s)")
   if e.device_memory:
     lines.append(f"verdict: {'fits' if e.fits else 'does NOT fit'} in "
                  f"{fmt_bytes(e.device_memory)} per device: {'headroom' if e.fits else 'short by'} "
@@ -167,7 +175,8 @@ def to_dict(e: Estimate) -> dict:
               bytes_per_param=e.bytes_per_param, conventional=e.conventional,
               conventional_per_device=e.conventional_per_device, components=e.components,
               phases=e.phases, peak_phase=e.peak_phase, state=e.state, total=e.total,
-              device_memory=e.device_memory, fits=e.fits)
+              device_memory=e.device_memory, fits=e.fits, host=e.host,
+              host_total=e.host_total, host_per_node=e.host_per_node)
 
 
 def main(argv: list[str] | None = None) -> int:

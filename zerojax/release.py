@@ -31,6 +31,7 @@ a ValueError: microbatches > 1 (needs optimizer accumulation), global-norm clipp
 leafwise.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import precision, stage3, step as step_lib, updates, zero
+from zerojax import offload, precision, stage3, step as step_lib, updates, zero
 
 PyTree = Any
 
@@ -146,6 +147,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
+  # Offloaded optimizer state: layer i's slice comes to the device for its update.
+  apply = offload.streamed(functools.partial(updates.apply, tx), plan)
 
   def gathered(layer):
     """One layer's shards as the whole params in the param dtype. Differentiated with
@@ -192,8 +195,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       g, ct = vjp(ct)
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))
-      new_p, new_s, squares = updates.apply(
-          tx, {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
+      new_p, new_s, squares = apply(
+          {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
           scale=mean_scale, factor=None, copies=copies)
       grad_sq += updates.sum_squares(g, copies[stack], mean_scale)
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
@@ -207,8 +210,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     (d_embed,) = embed_vjp(ct)
     d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims)
     finite = agree(precision.all_finite(d_rest))
-    rest_p, rest_s, squares = updates.apply(
-        tx, *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
+    rest_p, rest_s, squares = apply(
+        *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
         finite=finite, scale=mean_scale, factor=None, copies=copies)
     p = updates.pick(plan.per_layer, p, rest_p)
     s = updates.pick(plan.opt_per_layer, s, rest_s)

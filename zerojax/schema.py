@@ -126,6 +126,9 @@ _ROWS = (
     Field("optimizer.release", False, "Gradient release: each layer is updated inside the "
           "backward pass, so no fp32 gradient of the layer stack exists (zero.stage 3, "
           "model mlp_lm, microbatches 1, grad_clip 0)."),
+    Field("optimizer.offload", "none", "'host': the moments and Kahan / master buffers live "
+          "in pinned host memory, streamed to the device one layer at a time for the update.",
+          choices=("none", "host")),
     # train
     Field("train.steps", 200, "Optimizer steps.", range=POSITIVE),
     Field("train.global_batch_size", 16, "Sequences per optimizer step, over all devices and "

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import precision, stage3, updates, zero
+from zerojax import offload, precision, stage3, updates, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -62,10 +62,12 @@ class TrainState(NamedTuple):
 
 
 def state_shardings(plan: zero.ZeroPlan) -> TrainState:
-  """The NamedSharding of every leaf of the train state."""
+  """The NamedSharding of every leaf of the train state (offloaded optimizer state in
+  host memory: `plan.opt_shardings`)."""
   scalars = jax.tree.map(lambda _: P(), jax.eval_shape(precision.init_loss_scale))
-  return plan.shardings(TrainState(step=P(), params=plan.param_specs,
-                                   opt_state=plan.opt_specs, rng=P(), loss_scale=scalars))
+  return plan.shardings(TrainState(step=P(), params=plan.param_specs, opt_state=(),
+                                   rng=P(), loss_scale=scalars))._replace(
+                                       opt_state=plan.opt_shardings)
 
 
 def abstract_state(plan: zero.ZeroPlan) -> TrainState:
@@ -327,8 +329,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
 
     # The update runs where each device holds only its shard of the optimizer state.
     on_shards = lambda tree: jax.lax.with_sharding_constraint(tree, update_shardings)
-    update = functools.partial(updates.apply, tx, finite=finite, scale=mean_scale,
-                               factor=factor)
+    # Offloaded state comes to the device for the update (layer by layer if by_layer).
+    update = offload.streamed(functools.partial(updates.apply, tx, finite=finite,
+                                                scale=mean_scale, factor=factor), plan)
     if by_layer:
       new_params, opt_state, update_sq = updates.update_by_layer(
           plan, update, on_shards(grads), state.opt_state, on_shards(params))

@@ -55,11 +55,6 @@ def sum_squares(tree: PyTree, copies: PyTree | None = None,
   return sum(squares, jnp.zeros((), jnp.float32))
 
 
-def mirrored_leaves(plan: zero.ZeroPlan) -> PyTree:
-  """Per optimizer-state leaf: True if it mirrors a param leaf (layer-stacked or not)."""
-  return plan.opt_like(jax.tree.map(lambda _: True, plan.per_layer), False)
-
-
 def can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -> bool:
   """Whether the update may run one layer at a time (`optim.LeafwiseTransformation`)."""
   if not isinstance(tx, optim.LeafwiseTransformation) or not any(
@@ -67,7 +62,7 @@ def can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -
     return False
   # State leaves that mirror no param must be scalars (counts): every slice shares them.
   return all(mirror or not x.shape for x, mirror in zip(
-      jax.tree.leaves(plan.opt_state), jax.tree.leaves(mirrored_leaves(plan)), strict=True))
+      jax.tree.leaves(plan.opt_state), jax.tree.leaves(plan.opt_mirrors), strict=True))
 
 
 def update_by_layer(plan: zero.ZeroPlan, update: Callable, grads: PyTree,
@@ -135,7 +130,7 @@ class LayerViews:
     stacked = lambda m, x: bool(m) and x.shape[0] == length
     self.in_loop = jax.tree.map(stacked, plan.per_layer, params)
     self.opt_in_loop = jax.tree.map(stacked, plan.opt_per_layer, opt_state)
-    self.mirrored = mirrored_leaves(plan)
+    self.mirrored = plan.opt_mirrors
 
   def params(self, tree: PyTree, i: jax.Array) -> PyTree:
     return jax.tree.map(lambda x, m: _index(x, i) if m else _empty(x), tree, self.in_loop)

@@ -37,6 +37,9 @@ PyTree = Any
 # Logical axis name of the stacked-layers dimension (flax's nn.scan convention). A leaf
 # with this axis is gathered per layer at stage 3 and never sharded along it.
 LAYERS_AXIS = "layers"
+# The memory kind of offloaded optimizer state: page-locked host memory, which the
+# device reads and writes by DMA (an unpinned buffer would be staged through a copy).
+HOST_MEMORY = "pinned_host"
 
 
 def flax_logical_axes(boxed_params: PyTree) -> PyTree:
@@ -139,6 +142,9 @@ class ZeroPlan:
       inside a scan (stage 3); other sharded leaves are gathered before the loss.
     opt_dims: per optimizer-state leaf, the dimension it is sharded along at stages
       >= 1 (leaves that mirror a parameter follow it; scalars are None).
+    offload: the optimizer-state leaves that mirror the params (moments, Kahan /
+      master buffers) live in host memory (`memory_kind='pinned_host'`); the update
+      streams them to the device and back (`zerojax.offload`). Scalars (counts) stay.
   """
   mesh: Mesh
   stage: int
@@ -149,6 +155,7 @@ class ZeroPlan:
   param_dims: PyTree
   per_layer: PyTree
   opt_dims: PyTree
+  offload: bool = False
 
   @property
   def num_shards(self) -> int:
@@ -201,6 +208,23 @@ class ZeroPlan:
                         is_leaf=mirrors)
 
   @property
+  def opt_mirrors(self) -> PyTree:
+    """Per optimizer-state leaf: True if it mirrors a param leaf (layer-stacked or not)."""
+    return self.opt_like(jax.tree.map(lambda _: True, self.per_layer), False)
+
+  @property
+  def opt_offloaded(self) -> PyTree:
+    """Per optimizer-state leaf: True if it lives in host memory (see `offload`)."""
+    return jax.tree.map(lambda m: m and self.offload, self.opt_mirrors)
+
+  @property
+  def opt_shardings(self) -> PyTree:
+    """NamedShardings of the optimizer state: the one place its memory kind is set."""
+    return jax.tree.map(
+        lambda s, host: s.with_memory_kind(HOST_MEMORY) if host else s,
+        self.shardings(self.opt_specs), self.opt_offloaded)
+
+  @property
   def opt_per_layer(self) -> PyTree:
     """Per optimizer-state leaf: True if it mirrors a layer-stacked param leaf."""
     return self.opt_like(self.per_layer, False)
@@ -232,7 +256,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               opt_state: PyTree | None = None,
               logical_axes: PyTree | None = None,
               min_shard_size: int = 4096,
-              shard_axes: tuple[str, ...] = ("fsdp",)) -> ZeroPlan:
+              shard_axes: tuple[str, ...] = ("fsdp",),
+              offload: bool = False) -> ZeroPlan:
   """Plans the sharding of a parameter pytree and its optimizer state.
 
   Args:
@@ -247,6 +272,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
       'layers' axis is gathered per layer at stage 3 and never sharded along that axis.
     min_shard_size: leaves with fewer elements stay replicated.
     shard_axes: mesh axes to shard over; ('data', 'fsdp') shards over every device.
+    offload: keep the optimizer state's param-shaped leaves in host memory.
 
   Returns:
     The `ZeroPlan`.
@@ -298,7 +324,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   return ZeroPlan(mesh=mesh, stage=stage, shard_axes=tuple(shard_axes),
                   data_axes=data_axes, params=abstract(params),
                   opt_state=abstract(opt_state), param_dims=param_dims,
-                  per_layer=per_layer, opt_dims=opt_dims)
+                  per_layer=per_layer, opt_dims=opt_dims, offload=offload)
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:

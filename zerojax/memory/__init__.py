@@ -36,7 +36,14 @@ On one H200 (XLA:GPU, jax 0.11.2) the estimate was 1.003 (1B, 8 sequences of 409
 `suggestions(config, devices, device_memory)` re-estimates modified setups (one code
 path) and ranks the changes that make it fit, cheapest first: Kahan instead of fp32
 master weights, a higher stage, bf16 optimizer state, more remat, smaller
-micro-batches, Lion, and the fewest devices of this size that fit.
+micro-batches, optimizer-state offload, Lion, and the fewest devices of this size that fit.
+
+With `optimizer.offload='host'` the moments and Kahan / master buffers move from the
+device's bytes to the host's (`Estimate.host`: per device, and per node of
+`DEVICES_PER_NODE`); the device holds, during the update, the gradients and the state
+streamed in (one layer's, or the embedding's and head's, whichever is more; all of it
+for an update that is not leafwise). Not checked against a compiler: XLA:CPU has no
+separate host memory space to report (`zerojax.offload`).
 """
 
 import collections
@@ -51,6 +58,9 @@ from zerojax.zero import StageBehaviour, local_shape, shard_dim
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _REMAT_ORDER = ("none", "dots", "full")  # Increasing recomputation.
+# Devices one node holds, for host memory per node (the common 8-GPU node; a run on
+# fewer devices is counted as one node).
+DEVICES_PER_NODE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,7 @@ class RunSpec:
   seq_len: int
   # The model's own (shape, logical axes) of every parameter leaf (`param_shapes()`).
   param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
+  offload: bool = False  # The optimizer state in host memory (optimizer.offload='host').
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -106,7 +117,8 @@ class RunSpec:
         min_shard_size=config.zero.min_shard_size, data=data, fsdp=fsdp,
         batch=max(t.global_batch_size // (data * fsdp * t.microbatches), 1),
         microbatches=t.microbatches, seq_len=t.seq_len,
-        param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes))
+        param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes),
+        offload=o.offload == "host")
 
   @property
   def devices(self) -> int:
@@ -155,8 +167,10 @@ class Estimate:
       (param dtype; fp32 with master weights), optimizer (moments + Kahan / master).
     components: name -> per-device bytes the zerojax step holds (state and temporaries).
     parts: phase name -> the temporaries (component names) alive together in it.
-    state: per-device bytes of the train state and the batch (the step's arguments).
+    state: per-device bytes of the train state and the batch (the step's arguments)
+      in device memory.
     device_memory: bytes per device to fit in (0: not given).
+    host: name -> per-device bytes of the state kept in host memory (offload).
   """
   setup: RunSpec
   params: int
@@ -165,6 +179,7 @@ class Estimate:
   parts: dict
   state: int
   device_memory: int = 0
+  host: dict = dataclasses.field(default_factory=dict)
 
   @property
   def phases(self) -> dict:
@@ -187,6 +202,16 @@ class Estimate:
     return self.params * (c["params"] / (shards if b.shards_params else 1)
                           + c["gradients"] / (shards if b.shards_grads else 1)
                           + c["optimizer"] / (shards if b.shards_opt_state else 1))
+
+  @property
+  def host_total(self) -> int:
+    """Per-device bytes of host memory the state takes (offload; 0 without)."""
+    return sum(self.host.values())
+
+  @property
+  def host_per_node(self) -> int:
+    """Host bytes of the devices of one node: `DEVICES_PER_NODE` (or all, if fewer)."""
+    return self.host_total * min(self.setup.devices, DEVICES_PER_NODE)
 
   @property
   def peak_phase(self) -> str:
@@ -230,6 +255,14 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   comp = {"params": pb * (counts.local if behaviour.shards_params else P),
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
+  host, streamed = {}, 0
+  if s.offload:  # In host memory, streamed to the device for the update (zerojax.offload):
+    host = {k: comp.pop(k) for k in ("optimizer", "update buffer")}
+    # one layer's state at a time and the other leaves' (embedding, head) at once when
+    # the update runs layer by layer (leafwise rules); otherwise all of it together.
+    stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
+    moved = max(local - stacked, stacked // L) if s.update_rule != "stochastic" else local
+    streamed = (moments * sb + rule) * moved
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
   # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; other remat
@@ -280,7 +313,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   temps = {"layer gradients": layer_grads, "gradients": grads, "accumulator": accum,
            "saved activations": saved, "working set": working, "gathered layer": gathered,
            "gathered head": vocab_gathered, "head gradient": head_grad, "loss chunk": loss,
-           "embedding copy": copies}
+           "embedding copy": copies, "streamed state": streamed}
   # The temporaries alive together in each phase of the step; the peak is the largest.
   # Gradients reduced in the gathers live through the backward; others appear at its end.
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
@@ -290,10 +323,13 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   if not in_gather:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
     parts["end of backward"] = ["gradients", "accumulator", "embedding copy"]
+  if s.offload:  # The update: the gradients and the state streamed in.
+    parts["update"] = ["gradients", "accumulator", "streamed state"]
   comp.update(temps)
   comp = {k: int(v) for k, v in comp.items() if v}
   parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
-  return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory))
+  return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory),
+                  {k: int(v) for k, v in host.items() if v})
 
 
 # ----------------------------------------------------------------------- suggestions
@@ -312,7 +348,8 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
 
   Cost to training: Kahan matches fp32 master weights (WORKSPACE: stall table); a stage
   adds communication; bf16 moments lose precision; remat recomputes (full: ~1/3 more
-  FLOPs); microbatches lower per-device efficiency; Lion is another optimizer to tune.
+  FLOPs); microbatches lower per-device efficiency; offload moves the optimizer state
+  over the host link twice a step; Lion is another optimizer to tune.
   """
   kinds = []
   if s.update_rule == "master":
@@ -330,6 +367,9 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
                  (f"train.microbatches={s.microbatches * k}",),
                  dict(microbatches=s.microbatches * k, batch=s.batch // k))
                 for k in range(2, s.batch + 1) if s.batch % k == 0])
+  if not s.offload:
+    kinds.append([("optimizer state offloaded to host memory", ("optimizer.offload=host",),
+                   dict(offload=True))])
   if s.optimizer == "adamw":
     kinds.append([("Lion instead of AdamW (one moment)", ("optimizer.name=lion",),
                    dict(optimizer="lion"))])
