@@ -1,7 +1,7 @@
 """The fine-tuning quick start, measured: configs/sft_tiny.py's completion loss and
 exact-match accuracy on held-out prompts, step by step.
 
-    python benchmarks/sft_quickstart.py                   # ~6 minutes on 2 loaded CPU cores
+    python benchmarks/sft_quickstart.py                   # 4.4-10 minutes on 2 shared CPU cores
     python benchmarks/sft_quickstart.py --workdir runs/x  # read a finished run of the config
     python benchmarks/sft_quickstart.py --replot          # redraw the PNG from the saved JSON
 
