@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 import zerojax
 from zerojax import (
@@ -36,12 +37,14 @@ from zerojax import (
   data,
   distributed,
   exits,
+  generate,
   memory,
   memory_report,
   metrics,
   peers,
   precision,
   preemption,
+  sft,
   units,
   workdir,
 )
@@ -56,6 +59,7 @@ from zerojax.config import (
 from zerojax.devices import fake_cpu_devices
 from zerojax.mesh import processes_per_group
 from zerojax.models import hf
+from zerojax.models.attention import attention_kernel
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
 
@@ -67,8 +71,8 @@ class Run(NamedTuple):
   args: argparse.Namespace  # train.py's own flags.
   report: metrics.Reporter
   ckpt: checkpoint.Checkpointer | None  # None without a workdir.
-  train_tokens: np.ndarray
-  eval_tokens: np.ndarray
+  train_tokens: np.ndarray | sft.Examples  # sft.Examples for data.name='sft'.
+  eval_tokens: np.ndarray | sft.Examples
   built: Built  # Mesh, model, optimizer, plan, batch sharding.
   train_step: Any  # The compiled step.
 
@@ -130,10 +134,19 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     ckpt.check_config(config)
 
   # Every data mistake surfaces here too, before the model is built or compiled.
-  train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
-                                               cache_dir=c.workdir)
+  data_lines = []
+  if c.data.name == "sft":
+    train_tokens, eval_tokens, data_lines = sft.load(c.data, c.model.vocab_size, c.train.seq_len)
+    if c.data.pack and attention_kernel(c.model.attention, c.precision.compute_dtype) != "blocked":
+      data_lines.append("attention: dot_product with the packed examples' segment mask, which "
+                        "cuDNN takes as a [B, 1, T, T] bias")
+  else:
+    train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
+                                                 cache_dir=c.workdir)
   # Printed once the config and data are known good, so an error is the first thing shown.
   report(f"config {path} {' '.join(overrides)}\n{config}")
+  for line in data_lines:
+    report(f"data: {line}")
   warning = hf.seq_len_warning(c.init_from, c.train.seq_len) if c.init_from else None
   if warning:
     report(warning)
@@ -155,7 +168,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  "
          f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
-         f"tokens {len(train_tokens) / 1e6:.1f}M+{len(eval_tokens) / 1e6:.2f}M\n"
+         f"tokens {_tokens(train_tokens) / 1e6:.1f}M+{_tokens(eval_tokens) / 1e6:.2f}M\n"
          f"per-device memory (compiled): arguments {units.fmt_bytes(mem['arguments'])} + "
          f"temporaries {units.fmt_bytes(mem['temporaries'])} = {units.fmt_bytes(total)}"
          + (f", + {units.fmt_bytes(mem['host_arguments'])} of optimizer state in host memory"
@@ -186,6 +199,10 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
   return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)
+
+
+def _tokens(source: np.ndarray | sft.Examples) -> int:
+  return len(source.ids) if isinstance(source, sft.Examples) else len(source)
 
 
 def restore_or_init(run: Run) -> zerojax.TrainState:
@@ -227,16 +244,29 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
 
   def batch(source, step, seed):
     # Each process reads only its own rows of the global batch.
-    local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
-                                     rows=rows)}
+    if isinstance(source, sft.Examples):
+      local = sft.batch_at(source, step, t.global_batch_size, seed, rows=rows)
+    else:
+      local = {"tokens": data.batch_at(source, step, t.global_batch_size, t.seq_len, seed,
+                                       rows=rows)}
     return data.global_batch(local, run.built.batch_sharding)
 
   # A fixed held-out set: the same batches at every evaluation, drawn with another seed.
   eval_set = [batch(run.eval_tokens, i, c.seed + 1) for i in range(t.eval_batches)]
 
-  def evaluate() -> float:
+  def evaluate(step: int) -> float:
     # float() waits for each batch: one program with collectives in flight at a time.
-    return float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
+    loss = float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
+    extra = {}
+    if t.eval_exact_match:  # Greedy decoding on whole params (a model that fits a device),
+      # gathered from every process (the same answers on each).
+      whole = multihost_utils.process_allgather(state.params, tiled=True)
+      extra["exact_match"] = generate.exact_match(model.logits, whole, run.eval_tokens,
+                                                  t.eval_exact_match)
+    report(f"step {step:6d}  eval_loss {loss:.4f}"
+           + "".join(f"  {k} {v:.3f}" for k, v in extra.items()),
+           step=step, eval_loss=loss, **extra)
+    return loss
 
   def check_skips(step, m):
     m = {k: float(m[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
@@ -244,8 +274,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
-  eval_loss = evaluate()
-  report(f"step {start:6d}  eval_loss {eval_loss:.4f}", step=start, eval_loss=eval_loss)
+  eval_loss = evaluate(start)
   tokens_per_step = t.global_batch_size * t.seq_len
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
@@ -268,8 +297,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     else:
       report.advance(step)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
-      eval_loss = evaluate()
-      report(f"step {step:6d}  eval_loss {eval_loss:.4f}", step=step, eval_loss=eval_loss)
+      eval_loss = evaluate(step)
     if ckpt:
       ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
     # --stop_after: exactly like a SIGTERM. After the last step, done is done.

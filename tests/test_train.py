@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import data, exits, optim
+from zerojax import data, exits, optim, sft_demo
 from zerojax.config import base_config
 from zerojax.devices import fake_devices_env
 from zerojax.mesh import make_mesh
@@ -20,6 +20,7 @@ from zerojax.mesh import make_mesh
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
+SFT_TINY = os.path.join(REPO, "configs", "sft_tiny.py")
 
 
 def train_env(**extra: str) -> dict[str, str]:
@@ -214,8 +215,12 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,mesh", [(1, "--config.mesh.data=2"), (3, "--config.mesh.fsdp=8")])
-def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
+@pytest.mark.parametrize("stage,mesh,config", [
+    (1, "--config.mesh.data=2", TINY), (3, "--config.mesh.fsdp=8", TINY),
+    # Fine-tuning data, packed: 1200 examples make about 150 rows of 129 tokens, so the
+    # stop after step 10 (row 160) lands in the second epoch; the run ends in the third.
+    (3, "--config.mesh.data=2", SFT_TINY)], ids=["stage1-data2", "stage3-fsdp8", "sft-stage3-data2"])
+def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
 
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
@@ -223,7 +228,11 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
   moments, Kahan buffers, step, rng, loss scale), read back from disk.
   """
   k = 10
-  common = ("--config", TINY, f"--config.zero.stage={stage}", mesh,
+  extra = ()
+  if config == SFT_TINY:
+    paths = sft_demo.write(str(tmp_path / "sft"), train=1200, held_out=20)
+    extra = (f"--config.data.path={paths['train']}", f"--config.data.eval_path={paths['eval']}")
+  common = ("--config", config, *extra, f"--config.zero.stage={stage}", mesh,
             f"--config.train.steps={2 * k}", "--config.optimizer.warmup_steps=4",
             "--config.train.log_every=1", "--config.train.eval_every=0",
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4")
@@ -258,6 +267,33 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh):
     differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
     assert not differ, f"step {step}: {differ}"
   assert int(x["['step']"]) == 2 * k and x["['rng']"].shape == (2,)
+  if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params).
+    said = subprocess.run([sys.executable, "-m", "zerojax.generate", f"--workdir={resumed}",
+                           "--prompt=12+30=", "--max_new=8"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # Then the answer.
+    # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
+    # files (loadable, the same ids), the chat template trained with, bos/eos ids.
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "zerojax.export", f"--workdir={resumed}",
+                           f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from safetensors.numpy import load_file
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.embed_tokens.weight"].tobytes() == y[
+        "['params']['embed_tokens']['embedding']"].tobytes()
+    assert tensors["model.layers.1.mlp.up_proj.weight"].tobytes() == y[
+        "['params']['layers']['mlp']['up_proj']['kernel']"][1].T.copy().tobytes()
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.encode("12+30=").ids == sft_demo.byte_tokenizer().encode("12+30=").ids
+    side = json.loads((out / "tokenizer_config.json").read_text())
+    assert side["bos_token"] == "<|begin_of_text|>" and "<|eot_id|>" in side["chat_template"]
+    ids = {"bos_token_id": 256, "eos_token_id": [257, 260]}  # <|end_of_text|>, <|eot_id|>.
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [257, 260]
+    assert ids.items() <= json.loads((out / "config.json").read_text()).items()
   assert any("compensation" in p for p in x) and any("['loss_scale']" in p for p in x)
   assert any("['mu']" in p for p in x) and any("['nu']" in p for p in x)
   if stage == 3:

@@ -42,7 +42,7 @@ def build(config) -> Built:
   from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
 
   import zerojax  # pylint: disable=import-outside-toplevel
-  from zerojax import models, optim, precision  # pylint: disable=import-outside-toplevel
+  from zerojax import models, optim, precision, sft  # pylint: disable=import-outside-toplevel
   from zerojax.mesh import mesh_from_config  # pylint: disable=import-outside-toplevel
   from zerojax.release import make_release_step  # pylint: disable=import-outside-toplevel
 
@@ -69,8 +69,10 @@ def build(config) -> Built:
         learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
         accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
-  abstract_batch = {"tokens": jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len + 1),
-                                                   jnp.int32, sharding=batch_sharding)}
+  shapes = ({"tokens": ((t.global_batch_size, t.seq_len + 1), jnp.int32)}
+            if c.data.name != "sft" else sft.batch_shapes(t.global_batch_size, t.seq_len))
+  abstract_batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+                    for k, (shape, dtype) in shapes.items()}
   return Built(mesh, model, tx, schedule, loss_scaling, plan, train_step, batch_sharding,
                zerojax.abstract_state(plan), abstract_batch)
 

@@ -259,22 +259,34 @@ def eos_token_id(tokenizer: Any, path: str, eos_id: int = -1) -> int:
                       path=path, key="data.tokenizer",
                       fix=f"use an id below {n}, or -1 for the tokenizer's own")
     return eos_id
+  return special_token_id(tokenizer, path, "eos_token", _EOS_TOKENS, "end-of-sequence",
+                          "set data.eos_id to the id that separates documents")
+
+
+def token_text(value: Any) -> str | None:
+  """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+  value = value.get("content") if isinstance(value, dict) else value
+  return value if isinstance(value, str) else None
+
+
+def special_token_id(tokenizer: Any, path: str, name: str, candidates: tuple[str, ...],
+                     what: str, fix: str) -> int:
+  """The id of `name` ('eos_token', 'bos_token') of the `tokenizer_config.json` next to
+  `path`, else of the first of `candidates` the vocabulary has; else a DataError."""
   names = []
   config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
   if os.path.isfile(config_path):
     try:
       with open(config_path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token")
-      names.append(eos.get("content") if isinstance(eos, dict) else eos)
+        names.append(token_text(json.load(f).get(name)))
     except (ValueError, OSError, AttributeError):
       pass  # A damaged side file only loses the hint; the list below still applies.
-  for name in names + list(_EOS_TOKENS):
-    if isinstance(name, str) and tokenizer.token_to_id(name) is not None:
-      return tokenizer.token_to_id(name)
-  raise DataError("the tokenizer has no end-of-sequence token zerojax knows "
-                  f"(tokenizer_config.json's eos_token, or one of {', '.join(_EOS_TOKENS)})",
-                  path=path, key="data.tokenizer",
-                  fix="set data.eos_id to the id that separates documents")
+  for token in names + list(candidates):
+    if isinstance(token, str) and tokenizer.token_to_id(token) is not None:
+      return tokenizer.token_to_id(token)
+  raise DataError(f"the tokenizer has no {what} token zerojax knows (tokenizer_config.json's "
+                  f"{name}, or one of {', '.join(candidates)})", path=path,
+                  key="data.tokenizer", fix=fix)
 
 
 def _documents(path: str, key: str, text_key: str) -> Iterator[str]:

@@ -5,8 +5,10 @@
 The checkpoint's own config is built as train.py builds it (`zerojax.build`), at stage
 3 over every device here (checkpoints restore onto any plan), so each device holds
 1/N of the state; then `zerojax.models.hf.save_params` streams the params out one HF
-tensor at a time. Exit status 0, or 2 (`exits.BAD_INPUT`) with one `error: ...` line
-for a workdir without a usable checkpoint or a model that is not a Llama.
+tensor at a time. A run with a tokenizer (`data.tokenizer`) also gets its tokenizer
+files, generation_config.json and bos/eos ids in config.json (`export_tokenizer`). Exit
+status 0, or 2 (`exits.BAD_INPUT`) with one `error: ...` line for a workdir without a
+usable checkpoint or a model that is not a Llama.
 """
 
 import argparse
@@ -17,6 +19,44 @@ from typing import Any
 from zerojax import exits
 from zerojax.models.safetensors_file import HFError
 from zerojax.units import parse_bytes
+
+
+def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
+  """The checkpoint `step` (default: the newest intact one) of `workdir`, on every device.
+
+  Its own config is built as train.py builds it, at stage 3 over every device here.
+
+  Returns:
+    (config, built, state, step).
+
+  Raises:
+    HFError: no checkpoint, or not a Llama.
+    zerojax.checkpoint.CheckpointError: a damaged checkpoint.
+  """
+  # pylint: disable=import-outside-toplevel
+  import ml_collections
+
+  from zerojax import build, checkpoint
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    raise HFError("no checkpoints directory: nothing to read", path=directory,
+                  fix="pass the --workdir of a train.py run that saved a checkpoint")
+  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise HFError("no checkpoint in it", path=directory)
+    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
+    if config.model.name != "llama":
+      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
+    # Every device here, whatever the run had: stage 3 over all of them.
+    config.zero.stage, config.mesh.data, config.mesh.fsdp = 3, 1, -1
+    built = build.build(config)
+    state, meta = ckpt.restore(step, built.plan) if step else ckpt.restore_latest(built.plan)
+    print(f"restored {directory}/{meta['step']}", flush=True)
+    return config, built, state, meta["step"]
+  finally:
+    ckpt.close()
 
 
 def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
@@ -36,31 +76,66 @@ def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
     HFError: no checkpoint, or not a Llama.
     zerojax.checkpoint.CheckpointError: a damaged checkpoint.
   """
-  # pylint: disable=import-outside-toplevel
-  import ml_collections
+  import jax  # pylint: disable=import-outside-toplevel
 
-  from zerojax import build, checkpoint
-  from zerojax.models import hf
-  directory = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(directory):
-    raise HFError("no checkpoints directory: nothing to export", path=directory,
-                  fix="pass the --workdir of a train.py run that saved a checkpoint")
-  ckpt = checkpoint.Checkpointer(directory, save_every_steps=0, async_save=False)
+  from zerojax.models import hf  # pylint: disable=import-outside-toplevel
+  config, built, state, _ = restore(workdir, step)
+  names = hf.save_params(state.params, built.model.config, out, **kwargs)
+  if config.data.tokenizer and jax.process_index() == 0:
+    names += export_tokenizer(config.data, config.model.vocab_size, out)
+  return names
+
+
+def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
+  """Completes the HF folder `out` with the run's tokenizer (data section `d`).
+
+  Copies tokenizer.json and, when there is one beside it, tokenizer_config.json; else
+  writes one naming the BOS and EOS and, when the vocabulary has Llama 3's header
+  tokens, the chat template the run trained with (`chat.LLAMA3_TEMPLATE`). Writes
+  generation_config.json and adds bos_token_id / eos_token_id to config.json; the end
+  ids are the EOS and, for chat, the template's end of turn.
+
+  Returns:
+    The file names written.
+  """
+  # pylint: disable=import-outside-toplevel
+  import json
+  import shutil
+
+  from zerojax import data, sft
+  tokenizer = data.load_tokenizer(d.tokenizer, vocab_size)
+  side = os.path.join(os.path.dirname(d.tokenizer), "tokenizer_config.json")
+  shutil.copyfile(d.tokenizer, os.path.join(out, "tokenizer.json"))
+  eos = data.eos_token_id(tokenizer, d.tokenizer, d.eos_id)
   try:
-    steps = ckpt.all_steps()
-    if not steps:
-      raise HFError("no checkpoint in it", path=directory)
-    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
-    if config.model.name != "llama":
-      raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
-    # Every device here, whatever the run had: stage 3 over all of them.
-    config.zero.stage, config.mesh.data, config.mesh.fsdp = 3, 1, -1
-    built = build.build(config)
-    state, meta = ckpt.restore(step, built.plan) if step else ckpt.restore_latest(built.plan)
-    print(f"restored {directory}/{meta['step']}", flush=True)
-    return hf.save_params(state.params, built.model.config, out, **kwargs)
-  finally:
-    ckpt.close()
+    bos = sft.bos_token_id(tokenizer, d.tokenizer)
+  except data.DataError:
+    bos = None  # A tokenizer without one.
+  ends = [eos]
+  if os.path.isfile(side):
+    shutil.copyfile(side, os.path.join(out, "tokenizer_config.json"))
+    with open(side, encoding="utf-8") as f:
+      end = data.token_text(json.load(f).get("eos_token"))
+    ends.append(tokenizer.token_to_id(end) if end else None)
+  else:
+    from zerojax import chat
+    text = lambda i: None if i is None else tokenizer.id_to_token(i)
+    side_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(bos),
+                   "eos_token": text(eos), "clean_up_tokenization_spaces": False}
+    if tokenizer.token_to_id("<|start_header_id|>") is not None:
+      side_config["chat_template"] = chat.LLAMA3_TEMPLATE
+      ends.append(tokenizer.token_to_id(chat.LLAMA3_TOKENS["eos_token"]))
+    with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+      json.dump(side_config, f, indent=2)
+  ends = list(dict.fromkeys(i for i in ends if i is not None))
+  ids = {"bos_token_id": bos, "eos_token_id": ends[0] if len(ends) == 1 else ends}
+  with open(os.path.join(out, "generation_config.json"), "w", encoding="utf-8") as f:
+    json.dump({**ids, "do_sample": False}, f, indent=2)
+  with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+    hf_config = json.load(f)
+  with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+    json.dump({**hf_config, **ids}, f, indent=2)
+  return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 
 
 def main(argv: list[str] | None = None) -> int:

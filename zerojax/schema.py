@@ -148,6 +148,8 @@ _ROWS = (
     Field("train.eval_every", 50, "Held-out loss every this many steps; 0 disables.",
           range=NON_NEGATIVE),
     Field("train.eval_batches", 4, "Held-out batches per evaluation.", range=AT_LEAST_1),
+    Field("train.eval_exact_match", 0, "sft: at each evaluation, greedy-decode this many held-out "
+          "prompts and report the share answered exactly; 0 = off.", range=NON_NEGATIVE),
     Field("train.peak_flops", 0.0, "Peak FLOP/s of one device, for MFU; 0 = from the device kind "
           "(none on CPU).", range=NON_NEGATIVE),
     # checkpoint
@@ -191,23 +193,36 @@ _ROWS = (
     Field("model.remat", "full", "Backward-pass recompute per layer (dots: keep matmul outputs).",
           choices=("none", "full", "dots")),
     # data
-    Field("data.name", "stdlib", "stdlib (Python source as bytes, no download), tokens (.bin/.npy) "
-          "or text (.txt/.jsonl).", choices=("stdlib", "tokens", "text")),
+    Field("data.name", "stdlib", "stdlib (Python source as bytes, no download), tokens "
+          "(.bin/.npy), text (.txt/.jsonl) or sft (instruction / chat .jsonl, zerojax/sft.py).",
+          choices=("stdlib", "tokens", "text", "sft")),
     Field("data.path", "", "tokens: a .bin or .npy file of token ids; text: a .txt (one document) "
-          "or .jsonl file."),
+          "or .jsonl file; sft: a .jsonl of {prompt, completion} or {messages} lines."),
     Field("data.eval_path", "", 'A held-out file of the same kind; "" = hold out the last '
           "eval_fraction of data.path."),
     Field("data.dtype", "uint16", "Token id dtype of .bin files (.npy files carry their own).",
           choices=("uint16", "uint32")),
-    Field("data.tokenizer", "", "text: a Hugging Face tokenizer.json (pip install zerojax[text])."),
+    Field("data.tokenizer", "", "text, sft: a Hugging Face tokenizer.json (pip install "
+          "zerojax[text]); sft: the chat template is its tokenizer_config.json's, else Llama 3's."),
     Field("data.text_key", "text", "text, .jsonl: the field of each JSON object that holds the "
           "document."),
-    Field("data.eos_id", -1, "text: id appended after every document; -1 = the tokenizer's "
-          "end-of-sequence token.",
+    Field("data.eos_id", -1, "text: id appended after every document (sft: after each "
+          "completion); -1 = the tokenizer's end-of-sequence token.",
           range=Range(lambda v: v >= -1,
                       "a token id >= 0, or -1 for the tokenizer's end-of-sequence token")),
-    Field("data.eval_fraction", 0.05, 'Share of the tokens held out for evaluation when '
-          'data.eval_path is "".', range=Range(lambda v: 0 < v <= 0.5, "in (0, 0.5]")),
+    Field("data.train_on", "completion", "sft: the loss is on completions / assistant turns "
+          "only, or on all tokens.", choices=("completion", "all")),
+    Field("data.add_bos", True, "sft, prompt/completion lines: start each example with the "
+          "tokenizer's BOS (chat templates write their own)."),
+    Field("data.add_eos", True, "sft, prompt/completion lines: end each completion with the EOS "
+          "(data.eos_id), trained."),
+    Field("data.pack", True, "sft: several examples per sequence (attention and positions kept "
+          "apart); False = one example per sequence, padded."),
+    Field("data.too_long", "truncate", "sft: examples longer than train.seq_len + 1 tokens are "
+          "truncated or dropped (counted either way).", choices=("truncate", "drop")),
+    Field("data.eval_fraction", 0.05, 'Share of the tokens (sft: the last examples) held out for '
+          'evaluation when data.eval_path is "".',
+          range=Range(lambda v: 0 < v <= 0.5, "in (0, 0.5]")),
 )
 FIELDS: dict[str, Field] = {f.key: f for f in _ROWS}
 

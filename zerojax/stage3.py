@@ -175,13 +175,19 @@ def _scan_layers_bwd(fn, residuals, ct):
     x = jax.tree.map(from_bits, _layer(inputs, i), ct)
     _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
     pending, ct, d_args = vjp(ct)
-    ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, d_args)
+    ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, _floats(d_args))
     return ct, grads, pending, ct_args
 
-  zeros = jax.tree.map(jnp.zeros_like, args)
+  zeros = jax.tree.map(jnp.zeros_like, _floats(args))
   ct, grads, pending, ct_args = jax.lax.fori_loop(
       0, layers, body, (ct, params, _layer(params, layers - 1), zeros))
   return put(grads, pending, 0), ct, ct_args
+
+
+def _floats(tree: PyTree) -> PyTree:
+  """`tree` with its non-float leaves (e.g. segment ids, whose cotangent is float0) as
+  None: no cotangent to sum, and None is a zero cotangent to `custom_vjp`."""
+  return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else None, tree)
 
 
 _scan_layers.defvjp(_scan_layers_fwd, _scan_layers_bwd)

@@ -134,6 +134,17 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
   """The keys each data source needs; `zerojax.data.load_tokens` checks the files themselves."""
   d = config.data
   where = lambda *keys: source_of(source, *keys, "data.name")
+  if config.train.eval_exact_match and d.name != "sft":
+    raise ConfigError(f"is {config.train.eval_exact_match}, but only data.name='sft' has prompts "
+                      "with answers.", key="train.eval_exact_match",
+                      source=where("train.eval_exact_match"), fix="set it to 0")
+  if d.name != "sft":
+    base = schema()[0]
+    for key in ("train_on", "add_bos", "add_eos", "pack", "too_long"):
+      if d[key] != base[f"data.{key}"]:
+        raise ConfigError(f"is set to {d[key]!r}, but only data.name='sft' reads it.",
+                          key=f"data.{key}", source=where(f"data.{key}"),
+                          fix="remove it, or set data.name='sft'")
   if d.name == "stdlib":
     if d.path or d.eval_path:
       key = "data.path" if d.path else "data.eval_path"
@@ -145,14 +156,20 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
                         "(ids 0-255).", key="model.vocab_size", source=where("model.vocab_size"),
                         fix="use model.vocab_size >= 256")
     return
-  kinds = "a .bin or .npy file of token ids" if d.name == "tokens" else "a .txt or .jsonl file"
+  kinds = {"tokens": "a .bin or .npy file of token ids", "text": "a .txt or .jsonl file",
+           "sft": "a .jsonl file of {prompt, completion} or {messages} lines"}[d.name]
   if not d.path:
     raise ConfigError(f"is empty, but data.name={d.name!r} reads its tokens from a file.",
                       key="data.path", source=where("data.path"), fix=f"set data.path to {kinds}")
-  if d.name == "text" and not d.tokenizer:
-    raise ConfigError("is empty, but data.name='text' needs a tokenizer.", key="data.tokenizer",
-                      source=where("data.tokenizer"),
+  if d.name in ("text", "sft") and not d.tokenizer:
+    raise ConfigError(f"is empty, but data.name={d.name!r} needs a tokenizer.",
+                      key="data.tokenizer", source=where("data.tokenizer"),
                       fix="set data.tokenizer to a Hugging Face tokenizer.json")
+  if d.name == "sft" and config.model.name != "llama":
+    # Packed rows need the model to keep examples apart (segment ids, positions).
+    raise ConfigError(f"is {config.model.name!r}, but data.name='sft' needs a model that reads "
+                      "segment ids, positions and a loss mask.", key="model.name",
+                      source=where("model.name"), fix="use model.name='llama'")
   if d.name == "text" and not d.text_key:
     raise ConfigError("is empty.", key="data.text_key", source=where("data.text_key"),
                       fix="set it to the JSONL field that holds each document (usually 'text')")
@@ -217,6 +234,10 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
        "float16: dynamic loss scaling (precision.loss_scale) finds an overflow only after "
        "layers were updated, and cannot undo them",
        "use precision.param_dtype and precision.compute_dtype 'bfloat16'"),
+      ("data.pack", config.data.name == "sft" and config.data.pack,
+       "data.name='sft' and data.pack=True: packed examples' positions and segment ids "
+       "would be inputs of every layer, which release does not carry yet",
+       "set data.pack=False (one example per row, padded)"),
       ("optimizer.update_rule", o.update_rule == "stochastic",
        "update_rule 'stochastic' is not elementwise (its random bits depend on the shape)",
        "use update_rule 'kahan'"),

@@ -6,6 +6,9 @@ recomputes each block's scores (a `custom_vjp`), so no (heads, T, T) array is ev
 alive. The other, 'dot_product', is `jax.nn.dot_product_attention` (cuDNN's fused
 kernel on a GPU in bf16/fp16), called by the model itself.
 
+Packed sequences: with `segment_ids` a query sees only the keys of its own segment (its
+own example), besides the causal rule.
+
 Shapes: B batch, T sequence, H query heads, K key/value heads, G = H // K, Dh head_dim,
 S query positions per block.
 """
@@ -16,11 +19,13 @@ import jax
 import jax.numpy as jnp
 
 
-def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> jax.Array:
+def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
+            q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
   """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
 
-  Scores are fp32 [B, K, G, S, T], masked causally, softmax in fp32. Returns
-  [B, S, K, G, Dh] in q's dtype.
+  Scores are fp32 [B, K, G, S, T], masked causally and to the query's segment (q_seg
+  int32[B, S], k_seg int32[B, T]; None: one segment, no compare), softmax in fp32.
+  Returns [B, S, K, G, Dh] in q's dtype.
   """
   Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
   # Ties the mask to this block's queries. Computed from constants alone, it would be
@@ -29,37 +34,41 @@ def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array) -> j
   start, q_blk = jax.lax.optimization_barrier((start, q_blk))
   s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
   visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
+  if q_seg is not None:  # [B, 1, 1, S, T]: also the query's own segment.
+    visible = (visible & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
   p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
   out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.astype(q_blk.dtype)
 
 
-def _attend_blocks_fwd(q, k, v):
-  """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same; residuals q, k, v."""
+def _attend_blocks_fwd(q, k, v, q_seg, k_seg):
+  """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same, q_seg: int32[n, B, S];
+  residuals q, k, v and the segment ids."""
   starts = jnp.arange(q.shape[0]) * q.shape[2]
-  return jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1]), (q, starts)), (q, k, v)
+  out = jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1], xs[2], k_seg), (q, starts, q_seg))
+  return out, (q, k, v, q_seg, k_seg)
 
 
 def _attend_blocks_bwd(res, ct):
   # The forward kept only q, k, v: each block's scores are recomputed here, and dk, dv
   # summed over blocks in fp32 (a `jax.checkpoint` per block would sum them in the
   # compute dtype, in the transpose of the scan).
-  q, k, v = res
+  q, k, v, q_seg, k_seg = res
   starts = jnp.arange(q.shape[0]) * q.shape[2]
 
   def block(acc, xs):
-    q_blk, start, ct_blk = xs
-    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start), q_blk, k, v)
+    q_blk, start, seg, ct_blk = xs
+    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start, seg, k_seg), q_blk, k, v)
     dq, dk, dv = vjp(ct_blk)
     return (acc[0] + dk.astype(jnp.float32), acc[1] + dv.astype(jnp.float32)), dq
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  (dk, dv), dq = jax.lax.scan(block, (zeros(k), zeros(v)), (q, starts, ct))
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+  (dk, dv), dq = jax.lax.scan(block, (zeros(k), zeros(v)), (q, starts, q_seg, ct))
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None  # Segment ids: integers.
 
 
-_attend_blocks = jax.custom_vjp(lambda q, k, v: _attend_blocks_fwd(q, k, v)[0])
+_attend_blocks = jax.custom_vjp(lambda *args: _attend_blocks_fwd(*args)[0])
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
@@ -73,7 +82,8 @@ def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> 
   return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention, one block of queries at a time.
 
   A loop over query blocks; each block's scores against all T keys are recomputed in
@@ -85,6 +95,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> j
     q: [B, T, H, Dh]; query head h reads key/value head h // G (HF's `repeat_kv`).
     k, v: [B, T, K, Dh].
     block: query positions per block.
+    segment_ids: int32[B, T]: position i sees position j <= i only if their ids are
+      equal (packed examples); None = one segment.
 
   Returns:
     [B, T, H, Dh] in q's dtype.
@@ -96,5 +108,9 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> j
   q = q.reshape(B, T, K, H // K, Dh)
   q = jnp.pad(q, ((0, 0), (0, n * size - T), (0, 0), (0, 0), (0, 0)))
   q = q.reshape(B, n, size, K, H // K, Dh).swapaxes(0, 1)  # [n, B, size, K, G, Dh]
-  out = _attend_blocks(q, k, v)
+  q_seg = None  # Unpacked: no segment compare at all.
+  if segment_ids is not None:
+    q_seg = jnp.pad(segment_ids, ((0, 0), (0, n * size - T)))
+    q_seg = q_seg.reshape(B, n, size).swapaxes(0, 1)  # [n, B, size]
+  out = _attend_blocks(q, k, v, q_seg, segment_ids)
   return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]

@@ -13,17 +13,18 @@ import jax.numpy as jnp
 
 
 def chunked_nll(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: jax.Array,
-                chunk: int) -> jax.Array:
-  """Mean cross-entropy of `targets` under `head(x)`, `chunk` positions at a time.
+                chunk: int, weights: jax.Array | None = None) -> jax.Array:
+  """Weighted cross-entropy of `targets` under `head(x)`, `chunk` positions at a time.
 
   Args:
     head: [B, C, D] hidden states -> float32[B, C, V] logits (C <= chunk).
     x: [B, T, D] hidden states (any float dtype).
     targets: int32[B, T].
     chunk: positions per chunk; T is padded up to a multiple (padding weighs 0).
+    weights: float[B, T] per-position weights (a loss mask; None = 1).
 
   Returns:
-    The float32 scalar mean over B x T positions.
+    The float32 scalar sum over B x T positions of nll x weights, divided by B x T.
   """
   B, T, _ = x.shape
   size = min(chunk, T)
@@ -31,15 +32,16 @@ def chunked_nll(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: j
   pad = n * size - T
   chunks = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)).reshape(
       B, n, size, *a.shape[2:]).swapaxes(0, 1)
-  weights = (jnp.arange(n * size) < T).astype(jnp.float32).reshape(n, size)
+  weights = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
 
   @jax.checkpoint
-  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [size] -> scalar.
+  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [B, size] -> scalar.
     z = head(x)
     logz = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
     return jnp.sum((logz - picked) * weights)
 
   total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_nll(*xs), None),
-                          jnp.zeros((), jnp.float32), (chunks(x), chunks(targets), weights))
+                          jnp.zeros((), jnp.float32),
+                          (chunks(x), chunks(targets), chunks(weights)))
   return total / (B * T)

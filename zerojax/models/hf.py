@@ -16,10 +16,23 @@ Export: one (leaf, layer) slice at a time is made whole on every process (a jitt
 slice, then `process_allgather` across processes) and written by process 0 into a
 safetensors file whose header was written first, so host memory is one HF tensor.
 Files over `max_shard_size` are split as `save_pretrained` does (`model-0000i-of-0000N`
-plus an index). The name mapping and transposes are in `zerojax.models.llama`'s
-docstring; `_HF_NAMES` below is the same table as code, joined by leaf path to the
-model's own shapes (`llama.param_shapes`). The files themselves (headers, index, the
-streaming writer) are `zerojax.models.safetensors_file`'s.
+plus an index). `_HF_NAMES` below is the table that follows as code, joined by leaf
+path to the model's own shapes (`llama.param_shapes`). The files themselves (headers,
+index, the streaming writer) are `zerojax.models.safetensors_file`'s.
+
+Parameters and the Hugging Face Llama tensor each one is (i = layer index). HF's
+`nn.Linear.weight` is (out, in) and ours (in, out), so kernels are transposed; layer
+params are stacked along a leading layers axis of size L:
+
+| zerojax                                | Hugging Face                                     |
+| -------------------------------------- | ------------------------------------------------ |
+| embed_tokens/embedding (V, D)          | model.embed_tokens.weight                        |
+| layers/input_layernorm/scale (L, D)    | model.layers.i.input_layernorm.weight            |
+| layers/self_attn/{q,k,v,o}_proj/kernel | model.layers.i.self_attn.{q,k,v,o}_proj.weight.T |
+| layers/post_attention_layernorm/scale  | model.layers.i.post_attention_layernorm.weight   |
+| layers/mlp/{gate,up,down}_proj/kernel  | model.layers.i.mlp.{gate,up,down}_proj.weight.T  |
+| norm/scale (D,)                        | model.norm.weight                                |
+| lm_head/kernel (D, V), absent if tied  | lm_head.weight.T                                 |
 """
 
 import contextlib

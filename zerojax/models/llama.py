@@ -9,24 +9,10 @@ through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer is
 gathered at a time (and, under remat, gathered again in the backward pass instead
 of being saved).
 
-Long context: the blocked attention loops over query blocks and recomputes each
-block's scores in the backward pass (no (heads, T, T) array is ever alive); the loss
-runs the final norm, head and log-softmax over `loss_chunk` positions at a time (the
-fp32 logits of a 128K vocabulary are never alive for the whole sequence).
+Long context: the blocked attention recomputes each query block's scores in the
+backward pass; the loss runs over `loss_chunk` positions at a time (`chunked_loss`).
 
-Parameters and the Hugging Face Llama tensor each one is (i = layer index). HF's
-`nn.Linear.weight` is (out, in) and ours (in, out), so kernels are transposed; layer
-params are stacked along a leading layers axis of size L:
-
-| zerojax                                | Hugging Face                                     |
-| -------------------------------------- | ------------------------------------------------ |
-| embed_tokens/embedding (V, D)          | model.embed_tokens.weight                        |
-| layers/input_layernorm/scale (L, D)    | model.layers.i.input_layernorm.weight            |
-| layers/self_attn/{q,k,v,o}_proj/kernel | model.layers.i.self_attn.{q,k,v,o}_proj.weight.T |
-| layers/post_attention_layernorm/scale  | model.layers.i.post_attention_layernorm.weight   |
-| layers/mlp/{gate,up,down}_proj/kernel  | model.layers.i.mlp.{gate,up,down}_proj.weight.T  |
-| norm/scale (D,)                        | model.norm.weight                                |
-| lm_head/kernel (D, V), absent if tied  | lm_head.weight.T                                 |
+The Hugging Face name of each parameter is in `zerojax.models.hf`.
 
 Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
 G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
@@ -209,9 +195,12 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def rope_tables(config: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles at positions 0..T-1: float32[T, Dh] each."""
-  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * rope_frequencies(config)
+def rope_tables(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of the rotary angles at `positions` (int[..., T]; an int T = 0..T-1):
+  float32[..., T, Dh] each (packed examples: positions from 0 in each, as HF's)."""
+  if isinstance(positions, int):
+    positions = jnp.arange(positions, dtype=jnp.float32)
+  angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
   angles = jnp.concatenate([angles, angles], axis=-1)  # HF: both halves, same angles.
   return jnp.cos(angles), jnp.sin(angles)
 
@@ -219,12 +208,13 @@ def rope_tables(config: LlamaConfig, seq_len: int) -> tuple[jax.Array, jax.Array
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """HF's rotate-half RoPE in fp32: x * cos + rotate_half(x) * sin.
 
-  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh]. Returns x's shape and dtype.
+  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh] or [B, T, Dh]. Returns x's
+  shape and dtype.
   """
   x32 = x.astype(jnp.float32)
   x1, x2 = jnp.split(x32, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+  return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------ the model
@@ -245,8 +235,10 @@ class Attention(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[T, Dh]."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[(B,) T, Dh]; segment_ids:
+    int32[B, T] or None (a position attends only to its own segment)."""
     c = self.config
     B, T, _ = x.shape
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
@@ -257,10 +249,14 @@ class Attention(nn.Module):
     if attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
       cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-      out = jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=Dh ** -0.5,
+      # Packed: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
+      # turns into a [B, 1, T, T] bias (whole scores' size, in the compute dtype).
+      mask = (None if segment_ids is None else
+              (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=Dh ** -0.5,
                                          implementation="cudnn" if cudnn else "xla")
     else:
-      out = blocked_attention(q, k, v, c.attention_block)
+      out = blocked_attention(q, k, v, c.attention_block, segment_ids)
     return _dense(c, c.d_model, ("heads", "embed"), "o_proj")(out.reshape(B, T, H * Dh))
 
 
@@ -282,19 +278,20 @@ class Block(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array]):
-    """(x [B, T, D], (cos, sin)) -> (x, None): the `nn.scan` carry signature."""
+  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+               segment_ids: jax.Array | None = None):
+    """(x [B, T, D], (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature."""
     c = self.config
     norm = lambda name: RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, name=name)
-    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope)
+    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids)
     x = x + Mlp(c, name="mlp")(norm("post_attention_layernorm")(x))
     return x, None
 
 
 def apply_block(config: LlamaConfig, params: Params, x: jax.Array, cos: jax.Array,
-                sin: jax.Array) -> jax.Array:
+                sin: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
   """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D]."""
-  return Block(config, parent=None).apply({"params": params}, x, (cos, sin))[0]
+  return Block(config, parent=None).apply({"params": params}, x, (cos, sin), segment_ids)[0]
 
 
 class Llama(nn.Module):
@@ -313,7 +310,7 @@ class Llama(nn.Module):
     if c.remat != "none":
       block = nn.remat(block, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
     self.layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                          in_axes=nn.broadcast, length=c.n_layers,
+                          in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})(c)
     self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype)
     if not c.tie_embeddings:
@@ -322,18 +319,20 @@ class Llama(nn.Module):
                               param_dtype=c.param_dtype, kernel_init=init,
                               dot_general=_dot_f32)  # bf16 inputs, fp32 logits.
 
-  def hidden(self, tokens: jax.Array) -> jax.Array:
-    """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`)."""
+  def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> jax.Array:
+    """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`);
+    positions (None = 0..T-1), segment_ids (None = one): int32[B, T] (packed examples)."""
     c = self.config
     x = self.embed_tokens(tokens)
-    cos, sin = rope_tables(c, tokens.shape[1])
+    cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
     if c.remat == "full" and not self.is_initializing():
       # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
       # whose backward pass writes each layer's gradient over the (fp32) params it was
       # given instead of into a second whole-model array: 4 bytes per param less.
       return scan_layers(functools.partial(apply_block, c),
-                         self.variables["params"]["layers"], x, cos, sin)
-    x, _ = self.layers(x, (cos, sin))
+                         self.variables["params"]["layers"], x, cos, sin, segment_ids)
+    x, _ = self.layers(x, (cos, sin), segment_ids)
     return x
 
   def head(self, x: jax.Array) -> jax.Array:
@@ -365,27 +364,31 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
   Args:
     config: the model.
     params: unboxed params (layer leaves may be `zerojax.Sharded` at ZeRO stage 3).
-    batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1].
+    batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1];
+      optionally (`zerojax.sft.batch_at`) the inputs' 'segment_ids' and 'positions'
+      (int32[B, T]) and 'loss_mask' (float32[B, T], each target's weight).
     rng: unused (no dropout); `zerojax.make_train_step` passes one.
 
   Returns:
-    The float32 scalar mean over B x T positions.
+    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T).
   """
   del rng
   tokens = batch["tokens"]
-  x = Llama(config).apply({"params": params}, tokens[:, :-1], method=Llama.hidden)
-  return head_loss(config, params, x, tokens[:, 1:])
+  x = Llama(config).apply({"params": params}, tokens[:, :-1], batch.get("positions"),
+                          batch.get("segment_ids"), method=Llama.hidden)
+  return head_loss(config, params, x, tokens[:, 1:], batch.get("loss_mask"))
 
 
-def head_loss(config: LlamaConfig, params: Params, x: jax.Array,
-              targets: jax.Array) -> jax.Array:
-  """Mean cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]:
+def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,
+              loss_mask: jax.Array | None = None) -> jax.Array:
+  """Cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]:
   the final norm and head, `loss_chunk` positions at a time (`chunked_nll`), so the
   fp32 logits of the whole sequence are never alive. `params` needs only the non-layer
-  leaves (norm, head or the tied embedding). Returns a float32 scalar.
+  leaves (norm, head or the tied embedding). Returns the float32 scalar sum over B x T
+  positions of nll x loss_mask (float[B, T], default 1) / (B x T).
   """
   head = lambda h: Llama(config).apply({"params": params}, h, method=Llama.head)
-  return chunked_nll(head, x, targets, config.loss_chunk)
+  return chunked_nll(head, x, targets, config.loss_chunk, loss_mask)
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
@@ -477,13 +480,20 @@ class LlamaLM:
   def layered(self) -> LayeredLoss:
     """`loss` cut at its layer loop, for gradient release (`zerojax.release`). The
     rotary tables are made inside each layer from the sequence length: constants, so
-    nothing differentiates them and no layer input saves them."""
+    nothing differentiates them and no layer input saves them. Hence unpacked batches
+    only (a loss mask is fine): packed positions / segment ids would be layer inputs."""
     c = self.config
+
+    def embed(rest, batch):
+      if "segment_ids" in batch or "positions" in batch:
+        raise ValueError("gradient release takes unpacked batches (data.pack=False)")
+      return Llama(c).apply({"params": rest}, batch["tokens"][:, :-1],
+                            method=lambda m, t: m.embed_tokens(t))
+
     return LayeredLoss(
-        embed=lambda rest, batch: Llama(c).apply(
-            {"params": rest}, batch["tokens"][:, :-1], method=lambda m, t: m.embed_tokens(t)),
-        layer=lambda p, x: apply_block(c, p, x, *rope_tables(c, x.shape[1])),
-        head_loss=lambda rest, x, batch: head_loss(c, rest, x, batch["tokens"][:, 1:]),
+        embed=embed, layer=lambda p, x: apply_block(c, p, x, *rope_tables(c, x.shape[1])),
+        head_loss=lambda rest, x, batch: head_loss(c, rest, x, batch["tokens"][:, 1:],
+                                                   batch.get("loss_mask")),
         stack="layers")
 
   def flops_per_token(self, seq_len: int) -> float:
