@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,6 +47,8 @@ from zerojax import checksums, step as step_lib, zero
 from zerojax.config_schema import flatten
 
 _policies = ocp.checkpoint_managers
+# How long `close` waits for orbax's write threads (a failed save's siblings) to end.
+_LOOPS_TIMEOUT_S = 60
 # Config keys a checkpoint must agree on: the model's shape and function, and what
 # decides the optimizer state's structure. Keys that only change how the same model is
 # computed (remat, attention kernel, block sizes) may change between runs.
@@ -121,24 +124,57 @@ def _cause(error: BaseException, where: str) -> str:
   return _ANNOTATIONS.sub("", text.splitlines()[0])
 
 
+# orbax's event loops still running: one per save thread (`_run_to_the_end` counts them),
+# so `Checkpointer.close` can wait until nothing of a failed save is left to report.
+_loops = threading.Condition()
+_loops_running = 0
+
+
 def _run_to_the_end(coro: Any) -> Any:
   """orbax's `asyncio_utils._run_sync_via_new_loop`, but the loop is closed only once
-  every task on it has ended.
+  every task on it has ended, and their exceptions have been retrieved.
 
   When one read of a restore (or one write of a save) fails, orbax closes its loop with
   the others still in flight; each then prints "RuntimeError: Event loop is closed"
   (TensorStore's callback) or "Exception ignored in <coroutine>" long after the error
-  was handled.
+  was handled. The other writes fail too (the disk is as full for them), and a task
+  whose exception nobody asked for is logged as "Task exception was never retrieved"
+  when it is collected: `asyncio.gather` would ask, but its callback can still be queued
+  when the loop stops. The first exception is raised; the others are the same failure.
   """
+  global _loops_running
+  tasks = []
+
+  def task_factory(loop, task_coro, **kwargs):
+    tasks.append(asyncio.Task(task_coro, loop=loop, **kwargs))
+    return tasks[-1]
+
   loop = asyncio.new_event_loop()
+  loop.set_task_factory(task_factory)
+  with _loops:
+    _loops_running += 1
   try:
     asyncio.set_event_loop(loop)
     return loop.run_until_complete(coro)
   finally:
-    if pending := asyncio.all_tasks(loop):
-      loop.run_until_complete(asyncio.wait(pending))
-    asyncio.set_event_loop(None)
-    loop.close()
+    try:
+      while pending := asyncio.all_tasks(loop):
+        loop.run_until_complete(asyncio.wait(pending))
+      for task in tasks:
+        if not task.cancelled():
+          task.exception()  # Marks it retrieved.
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
+      with _loops:
+        _loops_running -= 1
+        _loops.notify_all()
+
+
+def _loops_ended(seconds: float) -> bool:
+  """Waits up to `seconds` for orbax's event loops to end; whether they all did."""
+  with _loops:
+    return _loops.wait_for(lambda: _loops_running == 0, timeout=seconds)
 
 
 def _let_tasks_end() -> None:
@@ -434,9 +470,9 @@ class Checkpointer:
         end()
       except Exception as e:  # pylint: disable=broad-except
         errors.append(e)
-    if not (self._failed or errors):
-      # After a failed save orbax's worker threads may still log their tracebacks once
-      # the manager is closed (seen on a loaded machine): the filter stays, for them.
+    # After a failed save orbax's other writes may still be running, and log their
+    # tracebacks when they fail: the filter goes once they have all ended.
+    if _loops_ended(_LOOPS_TIMEOUT_S):
       logging.getLogger("absl").removeFilter(self._quiet)
     if errors and not reported:
       if isinstance(errors[0], SaveError):
