@@ -62,7 +62,8 @@ MISTAKES = [
     (["--config", "{tmp}/ds_config.json"],
      ["not a Python file", "get_config()", "train_batch_size = 32: use train.global_batch_size",
       "fp16.initial_scale_power = 32: use precision.loss_scale.initial_power",
-      "zero_optimization.stage = 3: use zero.stage", "gradient_clipping = 1.0: use optimizer.grad_clip",
+      "zero_optimization.stage = 3: use zero.stage",
+      "gradient_clipping = 1.0: use optimizer.grad_clip",
       "no zerojax setting: wall_clock_breakdown"]),
     (["--config", "{tmp}/base.yml"], ["base.yml is not a Python file", "get_config()"]),
     (["configs/tiny.py"], ["'configs/tiny.py' is not an option", "write --config configs/tiny.py"]),
@@ -79,8 +80,10 @@ def test_train_command_line_mistake_is_one_error_line(files, args, words):
 
 
 def test_config_and_memory_clis_treat_mistakes_alike(files):
-  assert_one_error(run("-m", "zerojax.config", "--confg", TINY, timeout=60), "did you mean --config?")
-  assert_one_error(run("-m", "zerojax.config", "--config", str(files / "ds_config.json"), timeout=60),
+  assert_one_error(run("-m", "zerojax.config", "--confg", TINY, timeout=60),
+                   "did you mean --config?")
+  assert_one_error(run("-m", "zerojax.config", "--config", str(files / "ds_config.json"),
+                       timeout=60),
                    "use train.global_batch_size")
   assert_one_error(run("-m", "zerojax.memory", "--config", TINY, "--devices", "8", "tiny.py",
                        timeout=60), "write --config tiny.py")
@@ -91,7 +94,8 @@ def test_config_and_memory_clis_treat_mistakes_alike(files):
 def test_data_error_is_printed_before_the_config(tmp_path):
   # A directory given as the data path is called a directory, and the error is the first
   # (and only) thing printed: the config is printed once config and data are good.
-  result = run(TRAIN, "--config", TINY, "--config.data.name=tokens", f"--config.data.path={tmp_path}",
+  result = run(TRAIN, "--config", TINY, "--config.data.name=tokens",
+               f"--config.data.path={tmp_path}",
                timeout=60)
   assert_one_error(result, str(tmp_path), "is a directory, not a file")
   assert result.stdout == ""
@@ -102,7 +106,8 @@ def test_token_file_changed_while_training_exits_2(tmp_path):
   np.random.default_rng(0).integers(0, 256, 1 << 18, dtype=np.uint16).tofile(path)
   env = fake_devices_env(8)
   proc = subprocess.Popen(
-      [sys.executable, TRAIN, "--config", TINY, "--config.data.name=tokens", f"--config.data.path={path}",
+      [sys.executable, TRAIN, "--config", TINY, "--config.data.name=tokens",
+       f"--config.data.path={path}",
        "--config.train.steps=100000", "--config.train.log_every=1", "--config.train.eval_every=0",
        "--config.train.eval_batches=1"],
       cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -122,7 +127,8 @@ def test_token_file_changed_while_training_exits_2(tmp_path):
   finally:
     proc.kill()
   result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-  assert_one_error(result, f"{path} (data.path): changed while training (size {2 << 18} -> 4096 bytes)")
+  assert_one_error(result,
+                   f"{path} (data.path): changed while training (size {2 << 18} -> 4096 bytes)")
   assert "done:" not in out
 
 
@@ -132,7 +138,8 @@ def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
   # --dry_run allocates nothing and is not checked (test_train's 70B dry run).
   if memory_report.host_memory_available() > 160 * 2**30:
     pytest.skip("this host has the memory to run 8B on its CPU: nothing to refuse")
-  result = run(TRAIN, "--config", os.path.join(REPO, "configs", "8b_bf16.py"), devices=0, timeout=300)
+  result = run(TRAIN, "--config", os.path.join(REPO, "configs", "8b_bf16.py"), devices=0,
+               timeout=300)
   assert_one_error(result, "the step needs 121.06 GiB of host memory", "available",
                    "the memory plan above")
   assert "verdict: does NOT fit" in result.stdout and "changes that make it fit" in result.stdout

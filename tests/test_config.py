@@ -9,8 +9,7 @@ import textwrap
 
 import pytest
 
-from zerojax import config as zc
-from zerojax import config_schema
+from zerojax import config as zc, config_schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.py")
@@ -20,7 +19,8 @@ TINY = os.path.join(REPO, "configs", "tiny.py")
 def write_config(tmp_path, body: str, name: str = "bad.py") -> str:
   """Writes a real config file that starts from the base schema and runs `body` on `c`."""
   path = tmp_path / name
-  path.write_text("from zerojax.config import base_config\n\n\ndef get_config():\n  c = base_config()\n"
+  path.write_text("from zerojax.config import base_config\n\n\n"
+                  "def get_config():\n  c = base_config()\n"
                   + textwrap.indent(textwrap.dedent(body), "  ") + "\n  return c\n")
   return str(path)
 
@@ -47,8 +47,10 @@ def test_loaded_config_is_locked():
 
 def test_overrides_of_each_type():
   config = zc.load_config(TINY, [
-      "zero.stage=2", "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=5", "optimizer.nesterov=TRUE",
-      "--config.optimizer.name=sgd", "config.workdir='/tmp/run 1'", "optimizer.eps=1", "mesh.data=2",
+      "zero.stage=2", "optimizer.learning_rate=1e-3", "optimizer.warmup_steps=5",
+      "optimizer.nesterov=TRUE",
+      "--config.optimizer.name=sgd", "config.workdir='/tmp/run 1'", "optimizer.eps=1",
+      "mesh.data=2",
   ], num_devices=8)
   assert config.zero.stage == 2 and isinstance(config.zero.stage, int)
   assert config.optimizer.learning_rate == 1e-3
@@ -70,13 +72,15 @@ def test_file_with_argument(tmp_path):
 
 
 def test_parse_argv():
-  argv = ["--config", "configs/tiny.py", "--config.zero.stage=2", "--steps_hint", "--config.train.steps", "7",
+  argv = ["--config", "configs/tiny.py", "--config.zero.stage=2", "--steps_hint",
+          "--config.train.steps", "7",
           "--config.optimizer.learning_rate", "-1e-3", "extra"]
   path, overrides, rest = zc.parse_argv(argv)
   assert path == "configs/tiny.py"
   assert overrides == ["zero.stage=2", "train.steps=7", "optimizer.learning_rate=-1e-3"]
   assert rest == ["--steps_hint", "extra"]
-  assert zc.parse_argv(["--config=a.py", "--", "--config.x=1"]) == ("a.py", [], ["--", "--config.x=1"])
+  assert zc.parse_argv(["--config=a.py", "--", "--config.x=1"]) == (
+      "a.py", [], ["--", "--config.x=1"])
   assert zc.parse_argv([], default="configs/tiny.py")[0] == "configs/tiny.py"
   config = zc.load_config(TINY, zc.parse_argv(["--config", TINY, "--config.zero.stage", "1"])[1])
   assert config.zero.stage == 1
@@ -94,11 +98,13 @@ def test_parse_argv_errors(argv, key):
     zc.parse_argv(argv)
 
 
-# Bad config FILES: (body run on `c` after base_config(), key the message must name, more text it must contain).
+# Bad config FILES: (body run on `c` after base_config(), key the message must name, more
+# text it must contain).
 BAD_FILES = [
     ("c.seeed = 1", "seeed", "did you mean seed"),
     ("c.zero.stag = 2", "zero.stag", "zero.stage"),
-    ("import ml_collections\nc.bfloat16 = ml_collections.ConfigDict({'enabled': True})", "bfloat16.enabled",
+    ("import ml_collections\nc.bfloat16 = ml_collections.ConfigDict({'enabled': True})",
+     "bfloat16.enabled",
      "precision.param_dtype"),
     ("c.zero_optimization = 2", "zero_optimization", "zero.stage"),
     ("c.train_batch_size = 32", "train_batch_size", "train.global_batch_size"),
@@ -129,7 +135,8 @@ BAD_FILES = [
 ]
 
 
-@pytest.mark.parametrize("body, key, text", BAD_FILES, ids=[b[1] + ":" + b[0][:20] for b in BAD_FILES])
+@pytest.mark.parametrize("body, key, text", BAD_FILES,
+                         ids=[b[1] + ":" + b[0][:20] for b in BAD_FILES])
 def test_bad_config_file(tmp_path, body, key, text):
   path = write_config(tmp_path, body)
   with pytest.raises(zc.ConfigError) as info:
@@ -139,7 +146,8 @@ def test_bad_config_file(tmp_path, body, key, text):
   assert path in message, message  # Says which file it came from.
 
 
-# Bad overrides on a good file: (override, num_devices, key the message must name, more text it must contain).
+# Bad overrides on a good file: (override, num_devices, key the message must name, more
+# text it must contain).
 BAD_OVERRIDES = [
     ("optimizer.nesterov=maybe", None, "optimizer.nesterov", "true or false"),
     ("train.steps=1.5", None, "train.steps", "an int"),
@@ -149,7 +157,8 @@ BAD_OVERRIDES = [
     ("bf16=true", None, "bf16", "precision.param_dtype"),
     ("fp16.enabled=true", None, "fp16.enabled", "loss scaling"),
     ("gradient_clipping=1", None, "gradient_clipping", "optimizer.grad_clip"),
-    ("train_micro_batch_size_per_gpu=2", None, "train_micro_batch_size_per_gpu", "train.microbatches"),
+    ("train_micro_batch_size_per_gpu=2", None, "train_micro_batch_size_per_gpu",
+     "train.microbatches"),
     ("optimizer.lr=1", None, "optimizer.lr", "optimizer.learning_rate"),
     ("max_steps=10", None, "max_steps", "train.steps"),
     ("zero.stage", None, None, "key=value"),
@@ -161,7 +170,8 @@ BAD_OVERRIDES = [
 ]
 
 
-@pytest.mark.parametrize("override, num_devices, key, text", BAD_OVERRIDES, ids=[b[0] for b in BAD_OVERRIDES])
+@pytest.mark.parametrize("override, num_devices, key, text", BAD_OVERRIDES,
+                         ids=[b[0] for b in BAD_OVERRIDES])
 def test_bad_override(override, num_devices, key, text):
   with pytest.raises(zc.ConfigError) as info:
     zc.load_config(TINY, [override], num_devices=num_devices)
@@ -203,7 +213,8 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
   assert result.stderr.startswith("error: ") and "zero.stag" in result.stderr, result.stderr
   assert "Traceback" not in result.stderr
   result = _run_cli("--config", TINY, "--config.optimizer.nesterov", "maybe")
-  assert result.returncode == 2 and "optimizer.nesterov" in result.stderr and "Traceback" not in result.stderr
+  assert result.returncode == 2 and "optimizer.nesterov" in result.stderr
+  assert "Traceback" not in result.stderr
 
 
 def test_cli_prints_resolved_config():
@@ -212,19 +223,26 @@ def test_cli_prints_resolved_config():
   assert "stage: 1" in result.stdout and "(1, 8)" in result.stdout
 
 
-# Precision and optimizer combinations: (body run on `c`, key the message must name, more text it must contain).
+# Precision and optimizer combinations: (body run on `c`, key the message must name, more
+# text it must contain).
 BAD_PRECISION = [
-    ("c.precision.param_dtype = 'float16'\nc.precision.compute_dtype = 'bfloat16'", "precision.compute_dtype",
+    ("c.precision.param_dtype = 'float16'\nc.precision.compute_dtype = 'bfloat16'",
+     "precision.compute_dtype",
      "mixes float16 and bfloat16"),
-    ("c.precision.param_dtype = 'bfloat16'\nc.precision.compute_dtype = 'float16'", "precision.compute_dtype",
+    ("c.precision.param_dtype = 'bfloat16'\nc.precision.compute_dtype = 'float16'",
+     "precision.compute_dtype",
      "same 16-bit format"),
     ("c.precision.param_dtype = 'float16'\nc.precision.compute_dtype = 'float16'\n"
-     "c.optimizer.update_rule = 'stochastic'", "optimizer.update_rule", "bfloat16 params, not float16"),
-    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'stochastic'", "optimizer.update_rule",
+     "c.optimizer.update_rule = 'stochastic'", "optimizer.update_rule",
+     "bfloat16 params, not float16"),
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'stochastic'",
+     "optimizer.update_rule",
      "'kahan'"),
-    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'kahan'", "optimizer.update_rule",
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'kahan'",
+     "optimizer.update_rule",
      "'nearest'"),
-    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'master'", "optimizer.update_rule",
+    ("c.precision.param_dtype = 'float32'\nc.optimizer.update_rule = 'master'",
+     "optimizer.update_rule",
      "float32"),
     ("c.optimizer.state_dtype = 'bfloat16'\nc.optimizer.b2 = 0.999", "optimizer.b2", "b2 <= 0.996"),
     ("c.precision.reduce_dtype = 'float16'", "precision.reduce_dtype", "overflow"),
@@ -240,7 +258,8 @@ BAD_PRECISION = [
 ]
 
 
-@pytest.mark.parametrize("body, key, text", BAD_PRECISION, ids=[b[1] + ":" + b[0][-24:] for b in BAD_PRECISION])
+@pytest.mark.parametrize("body, key, text", BAD_PRECISION,
+                         ids=[b[1] + ":" + b[0][-24:] for b in BAD_PRECISION])
 def test_bad_precision_combination(tmp_path, body, key, text):
   path = write_config(tmp_path, body)
   with pytest.raises(zc.ConfigError) as info:
@@ -254,7 +273,8 @@ def test_bad_precision_override_names_the_override():
   with pytest.raises(zc.ConfigError) as info:
     zc.load_config(TINY, ["optimizer.b2=0.999"])
   message = str(info.value)
-  assert "optimizer.b2" in message and "fix:" in message and "state_dtype='float32'" in message, message
+  assert "optimizer.b2" in message and "fix:" in message, message
+  assert "state_dtype='float32'" in message, message
   assert "override --config.optimizer.b2=0.999" in message, message
   with pytest.raises(zc.ConfigError, match="precision.compute_dtype"):
     zc.load_config(TINY, ["precision.param_dtype=float16"])  # compute stays bfloat16.
@@ -266,11 +286,15 @@ def test_bad_precision_override_names_the_override():
     ["optimizer.name=lion"],
     ["optimizer.name=lion", "optimizer.state_dtype=float32", "optimizer.update_rule=nearest",
      "precision.param_dtype=float32", "precision.compute_dtype=float32"],
-    ["precision.param_dtype=float16", "precision.compute_dtype=float16", "precision.loss_scale.initial_power=12",
-     "precision.loss_scale.window=200", "precision.loss_scale.min_scale=0.5", "precision.max_consecutive_skips=0"],
-    ["precision.param_dtype=float32", "precision.compute_dtype=float16",  # fp32 params, fp16 compute.
+    ["precision.param_dtype=float16", "precision.compute_dtype=float16",
+     "precision.loss_scale.initial_power=12",
+     "precision.loss_scale.window=200", "precision.loss_scale.min_scale=0.5",
+     "precision.max_consecutive_skips=0"],
+    # fp32 params, fp16 compute.
+    ["precision.param_dtype=float32", "precision.compute_dtype=float16",
      "optimizer.update_rule=nearest"],
-    ["precision.param_dtype=float32", "precision.compute_dtype=bfloat16", "optimizer.update_rule=nearest"],
+    ["precision.param_dtype=float32", "precision.compute_dtype=bfloat16",
+     "optimizer.update_rule=nearest"],
     ["optimizer.update_rule=stochastic"],  # bfloat16 params (the default).
     ["optimizer.update_rule=master"],
     ["optimizer.state_dtype=float32", "optimizer.b2=0.999"],
@@ -296,14 +320,17 @@ def test_new_schema_keys_have_defaults():
 def test_config_that_is_not_python_says_so(tmp_path):
   ds = tmp_path / "ds_config.json"
   ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
-                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95]}},
+                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9,
+                                                                                            0.95]}},
                             "zero_optimization": {"stage": 2, "overlap_comm": True}}))
   with pytest.raises(zc.ConfigError) as info:
     zc.load_config(str(ds))
   message = str(info.value)
   assert "not a Python file" in message and "get_config()" in message
-  for line in ["train_micro_batch_size_per_gpu = 4: set train.global_batch_size and train.microbatches",
-               "steps_per_print = 10: use train.log_every", 'optimizer.type = "AdamW": use optimizer.name',
+  for line in ["train_micro_batch_size_per_gpu = 4: set train.global_batch_size and "
+               "train.microbatches",
+               "steps_per_print = 10: use train.log_every",
+               'optimizer.type = "AdamW": use optimizer.name',
                "optimizer.params.lr = 0.0001: use optimizer.learning_rate",
                "optimizer.params.betas = [0.9, 0.95]: use optimizer.b1, optimizer.b2",
                "zero_optimization.stage = 2: use zero.stage",
@@ -346,13 +373,15 @@ def test_argument_parser_mistakes_are_config_errors():
 
 @pytest.mark.slow
 def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
-  """A built wheel, installed on its own (no checkout on sys.path), runs a copied config and train.py.
+  """A built wheel, installed on its own (no checkout on sys.path), runs a copied config and
+  train.py.
 
   The schema is in the package, so nothing depends on a `configs/` folder beside it.
   """
   wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
   pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-  subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), REPO], check=True, capture_output=True)
+  subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), REPO], check=True,
+                 capture_output=True)
   wheel = next(wheels.glob("zerojax-*.whl"))
   subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
                  capture_output=True)

@@ -1,4 +1,5 @@
-"""Tests for zerojax.data: every token source on real files, each bad-data error, resume and process slices."""
+"""Tests for zerojax.data: every token source on real files, each bad-data error, resume and
+process slices."""
 
 import json
 import os
@@ -8,14 +9,15 @@ import ml_collections
 import numpy as np
 import pytest
 
-from zerojax import config as zc
-from zerojax import data
+from zerojax import config as zc, data
 from zerojax.data import DataError
 
 tokenizers = pytest.importorskip("tokenizers")
 
-BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.py")
-SENTENCES = ["the cat sat on the mat", "a dog ran to the cat", "the mat was red and the dog was blue",
+BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                    "base.py")
+SENTENCES = ["the cat sat on the mat", "a dog ran to the cat",
+             "the mat was red and the dog was blue",
              "on a hill the cat slept"]
 
 
@@ -46,7 +48,8 @@ def test_bin_round_trip_and_held_out_tail(tmp_path, dtype):
   ids = np.random.default_rng(0).integers(0, 1000, size=4000).astype(dtype)
   path = tmp_path / "train.bin"
   ids.tofile(path)
-  train, held_out = data.load_tokens(data_config(name="tokens", path=str(path), dtype=dtype), 1000, 16)
+  train, held_out = data.load_tokens(data_config(name="tokens", path=str(path), dtype=dtype), 1000,
+                                     16)
   assert isinstance(train, np.memmap) and train.dtype == dtype
   np.testing.assert_array_equal(np.concatenate([train, held_out]), ids)
   assert len(held_out) == 200  # eval_fraction 0.05.
@@ -65,10 +68,13 @@ def test_npy_round_trip_and_eval_file(tmp_path):
 
 def test_jsonl_is_tokenized_and_packed_with_eos(tmp_path, tokenizer_path):
   path = tmp_path / "docs.jsonl"
-  path.write_text("".join(json.dumps({"id": i, "body": s}) + "\n" for i, s in enumerate(SENTENCES * 5)) + "\n")
-  c = data_config(name="text", path=str(path), tokenizer=tokenizer_path, text_key="body", eval_fraction=0.2)
+  path.write_text("".join(json.dumps({"id": i, "body": s}) + "\n" for i,
+                          s in enumerate(SENTENCES * 5)) + "\n")
+  c = data_config(name="text", path=str(path), tokenizer=tokenizer_path, text_key="body",
+                  eval_fraction=0.2)
   train, held_out = data.load_tokens(c, 64, 8)
-  expected = np.concatenate([encode(tokenizer_path, s) + [1] for s in SENTENCES * 5])  # </s> is id 1.
+  expected = np.concatenate([encode(tokenizer_path,
+                                    s) + [1] for s in SENTENCES * 5])  # </s> is id 1.
   assert train.dtype == np.uint32
   np.testing.assert_array_equal(np.concatenate([train, held_out]), expected)
   # An explicit eos_id replaces the tokenizer's.
@@ -85,7 +91,8 @@ def test_txt_is_one_document_and_is_cached(tmp_path, tokenizer_path):
   cache = tmp_path / "cache"
   train, held_out = data.load_tokens(c, 64, 8, cache_dir=str(cache))
   np.testing.assert_array_equal(train, encode(tokenizer_path, text) + [1])
-  np.testing.assert_array_equal(held_out, encode(tokenizer_path, SENTENCES[1] + " " + SENTENCES[2]) + [1])
+  np.testing.assert_array_equal(held_out, encode(tokenizer_path,
+                                                 SENTENCES[1] + " " + SENTENCES[2]) + [1])
   cached = sorted(p.name for p in cache.iterdir())
   assert len(cached) == 2 and all(n.startswith("tokens-") and n.endswith(".npy") for n in cached)
   again, _ = data.load_tokens(c, 64, 8, cache_dir=str(cache))
@@ -118,13 +125,16 @@ def write(path, content) -> str:
   return str(path)
 
 
-# (file name, content, config values, model vocab, text the message must hold); every case names its file.
+# (file name, content, config values, model vocab, text the message must hold); every case
+# names its file.
 BAD = [
     ("missing.bin", None, {}, 100, "no such file"),
     ("empty.bin", b"", {}, 100, "empty"),
     ("odd.bin", b"\x01\x00\x02", {}, 100, "uint16 | uint32"),
-    ("wide.bin", np.arange(200, dtype=np.uint32) % 50, {"dtype": "uint16"}, 100, "data.dtype='uint32'"),
-    ("narrow.bin", np.arange(200, dtype=np.uint16), {"dtype": "uint32"}, 100, "data.dtype='uint16'"),
+    ("wide.bin", np.arange(200, dtype=np.uint32) % 50, {"dtype": "uint16"}, 100,
+     "data.dtype='uint32'"),
+    ("narrow.bin", np.arange(200, dtype=np.uint16), {"dtype": "uint32"}, 100,
+     "data.dtype='uint16'"),
     ("big.bin", np.r_[np.zeros(100), 77, 5, 300, np.zeros(10)].astype(np.uint16), {}, 100,
      "reach 300, but model.vocab_size is 100 (first id out of range at position 102)"),
     ("floats.npy", np.zeros(100, np.float32), {}, 100, "float32 values"),
@@ -133,7 +143,8 @@ BAD = [
     ("junk.npy", b"not numpy", {}, 100, "not a readable .npy"),
     ("ids.csv", b"1,2,3", {}, 100, ".bin"),
     ("short.bin", np.zeros(16, np.uint16), {}, 100, "train split has 16 tokens"),
-    ("tail.bin", np.zeros(40, np.uint16), {"eval_fraction": 0.2}, 100, "held-out split has 8 tokens"),
+    ("tail.bin", np.zeros(40, np.uint16), {"eval_fraction": 0.2}, 100,
+     "held-out split has 8 tokens"),
 ]
 
 
@@ -148,7 +159,8 @@ def test_bad_token_file(tmp_path, name, content, values, vocab, text):
 
 BAD_TEXT = [
     ("docs.jsonl", '{"text": "the cat"}\n{"text": "a dog"\n', "line 2 is not JSON"),
-    ("docs.jsonl", '{"text": "the cat"}\n\n{"body": "a dog"}\n', "line 3 has no string field 'text' (found: 'body')"),
+    ("docs.jsonl", '{"text": "the cat"}\n\n{"body": "a dog"}\n',
+     "line 3 has no string field 'text' (found: 'body')"),
     ("docs.jsonl", '{"text": "the cat"}\n[1, 2]\n', "line 2 has no string field"),
     ("docs.jsonl", '{"text": ""}\n', "no text"),
     ("docs.txt", b"\xff\xfe the cat", "not UTF-8"),
@@ -161,14 +173,17 @@ BAD_TEXT = [
 def test_bad_text_file(tmp_path, tokenizer_path, name, content, text):
   path = write(tmp_path / name, content)
   with pytest.raises(DataError) as info:
-    data.load_tokens(data_config(name="text", path=path, tokenizer=tokenizer_path, eval_path=path), 64, 8)
+    data.load_tokens(data_config(name="text", path=path, tokenizer=tokenizer_path, eval_path=path),
+                     64, 8)
   message = str(info.value)
   assert path in message and text in message, message
 
 
 def test_bad_tokenizer(tmp_path, tokenizer_path):
-  c = data_config(name="text", path=write(tmp_path / "a.txt", " ".join(SENTENCES)), tokenizer=tokenizer_path)
-  with pytest.raises(DataError, match=r"17 ids, more than model.vocab_size=10[\s\S]*vocab_size >= 17"):
+  c = data_config(name="text", path=write(tmp_path / "a.txt", " ".join(SENTENCES)),
+                  tokenizer=tokenizer_path)
+  with pytest.raises(DataError,
+                     match=r"17 ids, more than model.vocab_size=10[\s\S]*vocab_size >= 17"):
     data.load_tokens(c, 10, 4)
   with pytest.raises(DataError, match=r"eos_id=99 is not an id of this tokenizer"):
     data.load_tokens(data_config(**{**c.to_dict(), "eos_id": 99}), 64, 4)
@@ -189,7 +204,8 @@ def test_tokenizer_without_eos_asks_for_eos_id(tmp_path):
 
 
 def test_missing_tokenizers_package_says_how_to_install(monkeypatch, tokenizer_path):
-  monkeypatch.setitem(__import__("sys").modules, "tokenizers", None)  # `import tokenizers` now fails.
+  monkeypatch.setitem(__import__("sys").modules, "tokenizers",
+                      None)  # `import tokenizers` now fails.
   with pytest.raises(DataError, match=r"pip install 'zerojax\[text\]'"):
     data.load_tokenizer(tokenizer_path, 64)
 
@@ -200,7 +216,8 @@ def test_bad_ids_in_a_large_file_are_found_in_bounded_chunks(tmp_path, monkeypat
   ids[7_123], ids[9_999] = 5000, 70_000
   with pytest.raises(DataError, match=r"reach 70000.*position 7123"):
     data.check_ids(ids, 4096, path="x.bin")
-  data.check_ids(np.full(10, 65535, np.uint16), 65536, path="x.bin")  # uint16 always fits 65536 ids.
+  data.check_ids(np.full(10, 65535, np.uint16), 65536,
+                 path="x.bin")  # uint16 always fits 65536 ids.
 
 
 def test_resume_replays_the_uninterrupted_order(tmp_path):
@@ -224,18 +241,21 @@ def test_process_slices_concatenate_to_the_global_batch(count):
     assert [r.stop - r.start for r in rows] == [16 // count] * count
     np.testing.assert_array_equal(np.concatenate([full[r] for r in rows]), full)
     # Each process gathers only its own rows, with the same values.
-    np.testing.assert_array_equal(np.concatenate([data.batch_at(tokens, step, 16, 8, 2, rows=r) for r in rows]),
+    np.testing.assert_array_equal(np.concatenate([data.batch_at(tokens, step, 16, 8, 2,
+                                                                rows=r) for r in rows]),
                                   full)
   with pytest.raises(ValueError, match="cannot be split over 3"):
     data.rows_for(16, 0, 3)
   assert data.process_rows(16) == data.rows_for(16, 0, 1)
 
 
-# Config keys each source needs: (body run on `c`, key the message must name, more text it must contain).
+# Config keys each source needs: (body run on `c`, key the message must name, more text it
+# must contain).
 BAD_CONFIG = [
     ("c.data.name = 'tokens'", "data.path", ".bin or .npy"),
     ("c.data.name = 'text'\nc.data.path = 'a.jsonl'", "data.tokenizer", "tokenizer.json"),
-    ("c.data.name = 'text'\nc.data.path = 'a.jsonl'\nc.data.tokenizer = 't.json'\nc.data.text_key = ''",
+    ("c.data.name = 'text'\nc.data.path = 'a.jsonl'\nc.data.tokenizer = 't.json'\n"
+     "c.data.text_key = ''",
      "data.text_key", "'text'"),
     ("c.data.path = 'a.bin'", "data.path", "data.name='tokens'"),
     ("c.model.vocab_size = 100", "model.vocab_size", ">= 256"),
@@ -245,10 +265,12 @@ BAD_CONFIG = [
 ]
 
 
-@pytest.mark.parametrize("body, key, text", BAD_CONFIG, ids=[b[1] + ":" + b[0][-16:] for b in BAD_CONFIG])
+@pytest.mark.parametrize("body, key, text", BAD_CONFIG,
+                         ids=[b[1] + ":" + b[0][-16:] for b in BAD_CONFIG])
 def test_bad_data_config(tmp_path, body, key, text):
   path = tmp_path / "config.py"
-  path.write_text("from zerojax.config import base_config\n\ndef get_config():\n  c = base_config()\n"
+  path.write_text("from zerojax.config import base_config\n\n"
+                  "def get_config():\n  c = base_config()\n"
                   + "".join(f"  {line}\n" for line in body.splitlines()) + "  return c\n")
   with pytest.raises(zc.ConfigError) as info:
     zc.load_config(str(path))
@@ -258,7 +280,8 @@ def test_bad_data_config(tmp_path, body, key, text):
 
 def test_good_data_configs_load(tmp_path):
   for overrides in (["data.name=tokens", "data.path=a.bin", "data.dtype=uint32"],
-                    ["data.name=text", "data.path=a.jsonl", "data.tokenizer=t.json", "data.eos_id=2"]):
+                    ["data.name=text", "data.path=a.jsonl", "data.tokenizer=t.json",
+                     "data.eos_id=2"]):
     c = zc.load_config(BASE, overrides)
     assert c.data.name == overrides[0].split("=")[1]
 
@@ -297,4 +320,5 @@ def test_a_token_file_changed_under_its_memory_map_is_an_error(tmp_path):
   for tokens in (train, held_out):
     with pytest.raises(DataError) as info:
       data.batch_at(tokens, 3, 4, 16, 0)
-    assert f"{path} (data.path): changed while training (size {size} -> 1024 bytes)" in str(info.value)
+    assert (f"{path} (data.path): changed while training (size {size} -> 1024 bytes)"
+            in str(info.value))

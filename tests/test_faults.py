@@ -19,9 +19,21 @@ import time
 
 import pytest
 
-from test_train import (REPO, STALLED_TRAIN, TINY, TRAIN, checkpoint_files, checkpoint_leaves,
-                        compile_cache, run_train, start_train, step_records, train_env)
 from zerojax import exits
+
+from test_train import (
+  REPO,
+  STALLED_TRAIN,
+  TINY,
+  TRAIN,
+  checkpoint_files,
+  checkpoint_leaves,
+  compile_cache,
+  run_train,
+  start_train,
+  step_records,
+  train_env,
+)
 
 # A constant learning rate: the step does not depend on train.steps, so every run here
 # reuses the programs the first one compiled.

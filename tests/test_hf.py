@@ -199,7 +199,8 @@ def test_export_then_import_is_bit_exact(tmp_path, dtype):
   index = json.loads((tmp_path / "out" / hf.INDEX).read_text())
   item = np.dtype(dtype).itemsize
   assert index["metadata"]["total_size"] == sum(v.size for v in weights.values()) * item
-  assert set(index["weight_map"]) == set(weights) and set(index["weight_map"].values()) == set(names)
+  assert set(index["weight_map"]) == set(weights)
+  assert set(index["weight_map"].values()) == set(names)
   files = {}
   for name in names:
     files.update(load_file(str(tmp_path / "out" / name)))
@@ -209,8 +210,10 @@ def test_export_then_import_is_bit_exact(tmp_path, dtype):
   out_config = json.loads((tmp_path / "out" / "config.json").read_text())
   assert out_config["architectures"] == ["LlamaForCausalLM"] and out_config["model_type"] == "llama"
   assert out_config["torch_dtype"] == dtype and out_config["rope_theta"] == 10000.0
-  assert out_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+  assert out_config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0,
+                                        "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}
   assert hf.config_overrides(str(tmp_path / "out")) == hf.config_overrides(str(tmp_path / "in"))
   again = hf.load_params(str(tmp_path / "out"), plan_for(str(tmp_path / "out"), 1, dtype)[1])
   assert bits(again) == bits(params)
@@ -297,7 +300,8 @@ def test_seq_len_past_max_position_embeddings_is_a_warning(tmp_path):
   write_hf(tmp_path, {}, dict(hf_config(**SMALL), max_position_embeddings=16))
   assert hf.seq_len_warning(str(tmp_path), 16) is None
   warning = hf.seq_len_warning(str(tmp_path), 32)
-  assert warning.startswith("warning: train.seq_len=32 is longer than max_position_embeddings=16 in ")
+  assert warning.startswith(
+      "warning: train.seq_len=32 is longer than max_position_embeddings=16 in ")
   assert "--config.train.seq_len=16" in warning
   write_hf(tmp_path, {}, hf_config(**SMALL))  # No max_position_embeddings: nothing to say.
   assert hf.seq_len_warning(str(tmp_path), 1 << 20) is None
@@ -320,7 +324,8 @@ def test_train_init_from_hf(tmp_path, capsys):
   from zerojax.config import base_config  # pylint: disable=import-outside-toplevel
   shape = dict(V=256, D=32, L=2, H=4, K=2, F=64)
   # A context of 8 positions, trained at 16: allowed (context extension), with a warning.
-  write_hf(tmp_path / "hf", hf_weights(**shape), dict(hf_config(**shape), max_position_embeddings=8))
+  write_hf(tmp_path / "hf", hf_weights(**shape), dict(hf_config(**shape),
+                                                      max_position_embeddings=8))
   model_args = [f"--config.model.{k}={v}" for k, v in dict(
       vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
       rope_theta=10000.0, attention_block=16, loss_chunk=16).items()]
@@ -334,7 +339,8 @@ def test_train_init_from_hf(tmp_path, capsys):
   result = run_train(*model_args, *run_args)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "warning: train.seq_len=16 is longer than max_position_embeddings=8" in result.stdout
-  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  records = [json.loads(line) for line in lines]
   first = next(r["loss"] for r in records if r.get("step") == 1 and "loss" in r)
   # The loss of the imported params on train.py's first batch (seed 0, step 0).
   model, plan = plan_for(str(tmp_path / "hf"), 0, devices=1)

@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax.testing import hlo
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.testing import hlo
 
 
 def scan_of_scans(x):

@@ -15,7 +15,8 @@ def _modules(root: str, package: str) -> dict[str, str]:
     dotted = os.path.relpath(folder, root).replace(os.sep, ".")
     for name in files:
       if name.endswith(".py"):
-        out[dotted if name == "__init__.py" else f"{dotted}.{name[:-3]}"] = os.path.join(folder, name)
+        out[dotted if name == "__init__.py" else f"{dotted}.{name[:-3]}"] = os.path.join(folder,
+                                                                                         name)
   return out
 
 

@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import zerojax
-from zerojax.testing import hlo
 from zerojax.models import llama
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.testing import hlo
 
 LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        # Small, so T=24 positions reach the scaled frequencies.
@@ -249,7 +249,8 @@ def test_param_count_tied_and_config_errors():
 
 @pytest.mark.parametrize("model", [
     llama.LlamaLM(SMALL), llama.LlamaLM(dataclasses.replace(SMALL, tie_embeddings=True)),
-    MlpLM(vocab_size=64, d_model=32, d_ff=48, n_layers=3, context=4)], ids=["llama", "tied", "mlp_lm"])
+    MlpLM(vocab_size=64, d_model=32, d_ff=48, n_layers=3, context=4)], ids=["llama", "tied",
+                                                                            "mlp_lm"])
 def test_param_shapes_are_what_init_makes(model):
   """The one written-out copy of the shapes (planner, HF mapping, param_count) is the
   model's: same leaves, shapes and logical axes as `jax.eval_shape` of its init."""

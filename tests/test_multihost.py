@@ -112,7 +112,8 @@ def launched(launcher: subprocess.Popen, rank: int) -> int:
   """The pid of `python -m zerojax.launch`'s process `rank` (Linux: /proc)."""
   children = open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
   for pid in children:
-    if f"ZEROJAX_PROCESS_ID={rank}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"):
+    if f"ZEROJAX_PROCESS_ID={rank}".encode() in open(f"/proc/{pid}/environ",
+                                                     "rb").read().split(b"\0"):
       return int(pid)
   raise LookupError(f"no process {rank} among {children}")
 
@@ -214,7 +215,8 @@ def test_a_killed_coordinator_stops_the_others_and_the_launcher_names_it(runs):
   assert runs["coordinator_detect_s"] < LOST_WITHIN, runs["coordinator_detect_s"]
   assert runs["coordinator_killed_rc"] == 128 + signal.SIGKILL, launched_run.stderr[-3000:]
   err = launched_run.stderr
-  assert "[1] error: process 0 is gone (its connection closed: killed or crashed)" in err, err[-3000:]
+  assert ("[1] error: process 0 is gone (its connection closed: killed or crashed)"
+          in err), err[-3000:]
   assert "[launch] process 0 exited with signal SIGKILL (the first to fail)" in err
   assert "process 0: signal SIGKILL, process 1: status 5 (PEER_LOST)" in err
   # JAX's client in process 1 sees the coordinator go too and aborts; the watch's exit
@@ -238,7 +240,8 @@ def test_a_one_process_checkpoint_resumes_on_two_hybrid_stage_1(runs):
   assert head["mesh"] == {"data": 2, "fsdp": 4}
   assert "[0] " in two.stdout and "fsdp inside each process" in two.stdout
   assert "[0] resumed from" in two.stdout
-  assert not [line for line in two.stdout.splitlines() if line.startswith("[1] ") and "loss" in line]
+  assert not [line for line in two.stdout.splitlines()
+              if line.startswith("[1] ") and "loss" in line]
   assert_close(losses(runs["root"] / "two"), losses(runs["root"] / "ref"), range(11, 21))
 
 

@@ -9,18 +9,28 @@ import re
 import jax
 import numpy as np
 import pytest
-from test_release import SMALL, batches, relative
-from test_release_train import MLP
-from test_train import run_train
 
-import test_memory
 import zerojax
-from zerojax import (build, checkpoint, exits, memory, memory_report, models, optim, units,
-                     zero)
-from zerojax import offload as offload_lib
+from zerojax import (
+  build,
+  checkpoint,
+  exits,
+  memory,
+  memory_report,
+  models,
+  offload as offload_lib,
+  optim,
+  units,
+  zero,
+)
 from zerojax.config import ConfigError, base_config
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
+
+import test_memory
+from test_release import SMALL, batches, relative
+from test_release_train import MLP
+from test_train import run_train
 
 HOST = jax.memory.Space.Host
 
@@ -168,7 +178,8 @@ def test_the_compiled_step_keeps_the_state_in_host_memory_space():
     host = lambda xs: [x.split("{")[0] for x in xs if "S(5)" in x]
     state_leaves = jax.tree.leaves(plan.opt_state)
     want = [f"f32[{','.join(map(str, zero.local_shape(x.shape, d, plan.num_shards)))}]"
-            for x, d, h in zip(state_leaves, jax.tree.leaves(plan.opt_dims, is_leaf=lambda d: d is None),
+            for x, d, h in zip(state_leaves, jax.tree.leaves(plan.opt_dims,
+                                                             is_leaf=lambda d: d is None),
                                jax.tree.leaves(plan.opt_offloaded)) if h]
     assert host(params) == want and host(results) == want
     assert len(want) == (21 if offload else 0)

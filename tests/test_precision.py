@@ -274,7 +274,8 @@ def test_fp16_overflow_backs_off_then_trains_and_grows(stage):
   # The first steps all overflow: hysteresis keeps 2^30 once, then it halves each step.
   assert first_ok >= 3 and all(skipped[:first_ok])
   assert [r[1] for r in rows[:first_ok]] == list(range(1, first_ok + 1))
-  assert [r[2] for r in rows[:first_ok]] == [2.0 ** 30] + [2.0 ** (30 - k) for k in range(1, first_ok)]
+  assert [r[2] for r in rows[:first_ok]] == [2.0 ** 30] + [2.0 ** (30 - k) for k in range(1,
+                                                                                          first_ok)]
   assert rows[first_ok][1] == 0  # A finite step resets the run of skips.
   # After `window` finite steps in a row the scale doubles.
   assert not skipped[first_ok + 1]
@@ -402,7 +403,8 @@ def test_train_fp16_from_2_to_the_32_calibrates_then_trains():
   skipped = [s for s in range(1, 25) if f"step {s}: gradients not finite" in result.stdout]
   assert len(skipped) > 10 and skipped == list(range(1, len(skipped) + 1)), skipped
   assert len(skipped) < 20, skipped  # Finite steps follow: it trains.
-  assert f"step {skipped[-1]}: gradients not finite, update skipped ({skipped[-1]} in a row" in result.stdout
+  assert (f"step {skipped[-1]}: gradients not finite, update skipped ({skipped[-1]} in a row"
+          in result.stdout)
   assert "calibrating from 2^32: not counted" in result.stdout
   final = float(result.stdout.split("final train loss ")[1].split()[0])
   assert "done: 24 steps" in result.stdout and final < 5.0, result.stdout[-2000:]

@@ -8,10 +8,11 @@ import sys
 
 import numpy as np
 import pytest
-from test_train import REPO, TINY, TRAIN, run_train
 
 from zerojax import exits
 from zerojax.devices import fake_devices_env
+
+from test_train import REPO, TINY, TRAIN, run_train
 
 BASE = os.path.join(REPO, "configs", "base.py")
 MLP = ("--config", BASE, "--config.model.name=mlp_lm", "--config.optimizer.warmup_steps=1",

@@ -169,7 +169,8 @@ def test_missing_data_file_exits_2_without_traceback(tmp_path):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_train_runs_at_every_stage_on_8_devices(stage, tmp_path):
   """Stage 3 runs in test_train_stage3_loss_falls; here the others, a few steps each."""
-  result = run_train("--config", TINY, "--config.train.steps=3", "--config.optimizer.warmup_steps=1", f"--config.zero.stage={stage}",
+  result = run_train("--config", TINY, "--config.train.steps=3",
+                     "--config.optimizer.warmup_steps=1", f"--config.zero.stage={stage}",
                      "--config.train.eval_every=0", "--config.train.eval_batches=1",
                      f"--config.workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]
@@ -180,7 +181,8 @@ def test_train_runs_at_every_stage_on_8_devices(stage, tmp_path):
 
 def test_train_runs_on_one_device(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  result = subprocess.run([sys.executable, TRAIN, "--config", TINY, "--config.train.steps=3", "--config.optimizer.warmup_steps=1",
+  result = subprocess.run([sys.executable, TRAIN, "--config", TINY, "--config.train.steps=3",
+                           "--config.optimizer.warmup_steps=1",
                            "--config.train.eval_every=0", "--config.train.eval_batches=1",
                            f"--config.workdir={tmp_path}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax.testing import hlo
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.testing import hlo
 
 MESHES = [(8, 1), (2, 4), (1, 8)]
 STAGES = [0, 1, 2, 3]
