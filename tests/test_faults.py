@@ -3,7 +3,7 @@
 A checkpoint past train.steps, a rejected resume, damaged checkpoints, a full disk (a
 real tmpfs), two runs in one workdir, stopping early (exit 75), the launcher's view of
 it, and kill -9 at many moments. Most tests start from one 8-step run's workdir
-(checkpoints 4 and 8), copied; all share one JAX compilation cache.
+(checkpoints 4 and 8), copied; all share the suite's JAX compilation cache (conftest).
 """
 
 import json
@@ -28,7 +28,6 @@ from test_train import (
   TRAIN,
   checkpoint_files,
   checkpoint_leaves,
-  compile_cache,
   run_train,
   start_train,
   step_records,
@@ -45,8 +44,8 @@ LEAKS = ("Traceback", "Exception ignored", "Event loop is closed")
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  return train_env(**compile_cache(tmp_path_factory.mktemp("jax_cache")))
+def env():
+  return train_env()
 
 
 @pytest.fixture(scope="module")

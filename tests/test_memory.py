@@ -205,9 +205,12 @@ def test_cli_verdict_and_exit_status(capsys):
 
 
 def run_cli(*args: str) -> dict:
+  # Not through conftest's compilation cache: `--compile` reads XLA's dump of the step,
+  # which a cache hit does not write.
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
   result = subprocess.run(
       [sys.executable, "-m", "zerojax.memory", *args, "--compile", "--json"], cwd=REPO,
-      capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+      capture_output=True, text=True, timeout=300, env=dict(env, JAX_PLATFORMS="cpu"))
   assert result.returncode in (0, 1), result.stderr[-3000:]
   return json.loads(result.stdout)
 

@@ -51,23 +51,10 @@ TINY = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--config.model.n_
 RTOL = 1e-5
 
 
-_CACHE = {}  # JAX's persistent compilation cache, shared by this module's runs.
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  # Runs with the same programs (1 x 8 stage 3 twice; the step compiled for the memory
-  # report and again at its first call) compile once: ~28 s -> ~8 s for a 1-process run.
-  _CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  yield
-  _CACHE.clear()
-
-
 def one_process_env(devices: int = 8) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("ZEROJAX_", "JAX_COORDINATOR"))}
-  return fake_devices_env(devices, base=dict(env, **_CACHE, PYTHONUNBUFFERED="1"))
+  return fake_devices_env(devices, base=dict(env, PYTHONUNBUFFERED="1"))
 
 
 class Proc:
@@ -162,7 +149,7 @@ def runs(tmp_path_factory):
                   "4", "--", sys.executable, TRAIN, *TINY]
     two = Proc([*launch_cmd, "--config.zero.stage=1", "--config.mesh.data=2",
                 f"--workdir={root / 'two'}"], one_process_env(1))
-    no_cache = {k: v for k, v in one_process_env(1).items() if k not in _CACHE}
+    no_cache = {k: v for k, v in one_process_env(1).items() if k != "JAX_COMPILATION_CACHE_DIR"}
     coordinator_killed = Proc(launch_cmd, no_cache, watch="[0] step     11/20")
     procs = [one, two, coordinator_killed]
     if coordinator_killed.seen.wait(TIMEOUT):

@@ -191,14 +191,6 @@ def test_train_runs_on_one_device(tmp_path):
   assert header["devices"] == 1
 
 
-def compile_cache(path) -> dict[str, str]:
-  """Env for JAX's persistent compilation cache in `path`: the runs of one test compile
-  the same programs, and compiling is most of a tiny run's time. It only skips
-  recompiling; what the programs compute is unchanged."""
-  return dict(JAX_COMPILATION_CACHE_DIR=str(path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-
-
 def step_records(workdir) -> list[dict]:
   """The per-step metrics of metrics.jsonl (appended to by every run in the workdir)."""
   records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -238,7 +230,7 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
             f"--config.train.steps={2 * k}", "--config.optimizer.warmup_steps=4",
             "--config.train.log_every=1", "--config.train.eval_every=0",
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4")
-  env = train_env(**compile_cache(tmp_path / "jax_cache"))
+  env = train_env()
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   first = run_train(*common, f"--workdir={straight}", env=env)
   assert first.returncode == 0, first.stderr[-2000:]
@@ -345,8 +337,7 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=1",
             "--config.checkpoint.keep=0", f"--workdir={tmp_path}")
   ckpts, marker = tmp_path / "checkpoints", tmp_path / "stalled"
-  env = train_env(**compile_cache(tmp_path / "jax_cache"), STALL_STEP="2", STALL_AFTER="8",
-                  STALL_MARKER=str(marker))
+  env = train_env(STALL_STEP="2", STALL_AFTER="8", STALL_MARKER=str(marker))
   child = start_train(*common, env=env, prefix=("-c", STALLED_TRAIN, TRAIN))
   try:
     deadline = time.monotonic() + 180
@@ -366,7 +357,7 @@ def test_sigkill_mid_save_resumes_from_the_previous_checkpoint(tmp_path):
   assert at_kill == sorted(os.listdir(ckpts)) == ["1", "2.orbax-checkpoint-tmp"], at_kill
   assert "step      2/4" in out  # Step 2 was trained (and logged) before its save began.
 
-  again = run_train(*common, env=train_env(**compile_cache(tmp_path / "jax_cache")))
+  again = run_train(*common)
   assert again.returncode == 0, again.stderr[-2000:]
   assert f"resumed from {ckpts}/1\n" in again.stdout  # Verified: checksums match.
   assert "damaged" not in again.stdout + again.stderr

@@ -1,5 +1,7 @@
 """The ZeRO plan and train step on 8 CPU devices: equivalence, memory, collectives."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,6 +57,14 @@ def reference(model, tx, steps, batch):
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   return np.array(losses), jax.tree.map(np.asarray, params)
+
+
+@functools.cache
+def fp32_reference():
+  """(model, tx, losses, params): 20 AdamW steps of single-device optax in fp32, once for
+  every mesh's test."""
+  model, tx = MlpLM(**SMALL), optax.adamw(1e-3, weight_decay=0.1)
+  return model, tx, *reference(model, tx, 20, tokens())
 
 
 def rel(a, b):
@@ -149,8 +159,7 @@ def test_state_is_created_sharded():
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_every_stage_matches_single_device_optax_fp32(mesh_shape):
   """20 AdamW steps in fp32: every stage equals plain optax to 1e-5 (relative)."""
-  model, tx, batch = MlpLM(**SMALL), optax.adamw(1e-3, weight_decay=0.1), tokens()
-  ref_losses, ref_params = reference(model, tx, 20, batch)
+  model, tx, ref_losses, ref_params = fp32_reference()
   for stage in STAGES:
     losses, params, _ = train(model, stage, mesh_shape, tx, 20)
     assert rel(losses, ref_losses) <= 1e-5, (stage, losses, ref_losses)
@@ -245,6 +254,19 @@ def lower(model, stage, mesh_shape, tx, batch=16, seq=16, **kw):
   return plan, step.lower(zerojax.abstract_state(plan), abstract_batch)
 
 
+BIG = dict(vocab_size=256, d_model=256, d_ff=1024, n_layers=8, context=4,
+           param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+
+
+@functools.cache
+def compiled_big(stage, remat="dots"):
+  """(plan, compiled step) of the 8-layer bf16 model on 1 x 8, batch 8: read-only, so the
+  tests that read it share one compile."""
+  plan, lowered = lower(MlpLM(**BIG, remat=remat), stage, (1, 8), optax.adamw(1e-3),
+                        batch=8, seq=16)
+  return plan, lowered.compile()
+
+
 def tree_bytes(tree):
   return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -305,11 +327,7 @@ def test_stages_1_to_3_reduce_scatter_instead_of_all_reduce(stage):
 
 
 def test_stage_3_gathers_and_scatters_one_layer_at_a_time():
-  model = MlpLM(vocab_size=256, d_model=256, d_ff=1024, n_layers=8, context=4,
-                param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
-  tx = optax.adamw(1e-3)
-  plan, lowered = lower(model, 3, (1, 8), tx, batch=8, seq=16)
-  compiled = lowered.compile()
+  plan, compiled = compiled_big(3)
   found = hlo.collectives(compiled.as_text())
   one_layer = {(1024, 256), (256, 1024)}  # w_in / w_out of one layer, gathered.
   layer_gathers = [c for c in found if c.op == "all-gather"
@@ -325,21 +343,14 @@ def test_stage_3_gathers_and_scatters_one_layer_at_a_time():
   # Temporaries are a fraction of stage 0's, and below one whole fp32 gradient: the
   # backward never holds every layer's gathered weights or gradients.
   temp = compiled.memory_analysis().temp_size_in_bytes
-  _, lowered0 = lower(model, 0, (1, 8), tx, batch=8, seq=16)
-  temp0 = lowered0.compile().memory_analysis().temp_size_in_bytes
+  temp0 = compiled_big(0)[1].memory_analysis().temp_size_in_bytes
   whole_grad = 4 * sum(x.size for x in jax.tree.leaves(plan.params))
   assert temp < temp0 / 4 and temp < whole_grad / 1.5, (temp, temp0, whole_grad)
 
 
 def test_stage_3_without_remat_keeps_gathered_layers_alive():
   """The counter-case: a scan with no remat saves every gathered layer for backward."""
-  model = MlpLM(vocab_size=256, d_model=256, d_ff=1024, n_layers=8, context=4,
-                param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
-  tx = optax.adamw(1e-3)
-  temps = {}
-  for remat in ("none", "dots"):
-    _, lowered = lower(MlpLM(**{**model.__dict__, "remat": remat}), 3, (1, 8), tx,
-                       batch=8, seq=16)
-    temps[remat] = lowered.compile().memory_analysis().temp_size_in_bytes
-  gathered = 2 * sum(x.size for x in jax.tree.leaves(model.init(jax.random.PRNGKey(0))))
+  temps = {remat: compiled_big(3, remat)[1].memory_analysis().temp_size_in_bytes
+           for remat in ("none", "dots")}
+  gathered = 2 * sum(x.size for x in jax.tree.leaves(compiled_big(3)[0].params))
   assert temps["none"] - temps["dots"] > 0.8 * gathered, temps
