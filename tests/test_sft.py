@@ -132,9 +132,11 @@ def test_bad_lines_are_skipped_counted_and_named(tmp_path):
              "{{ raise_exception('no booms') }}{% endif %}{{ m['content'] }}{% endfor %}")
   lines = ['{"prompt": "1+1=", "completion": "2"}', "not json", '{"prompt": "x"}',
            '{"prompt": "x", "completion": "  "}', {"text": "a document"},
-           {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},
+           {"messages": [{"role": "wizard", "content": "x"},
+                         {"role": "assistant", "content": "y"}]},
            {"messages": [{"role": "user", "content": "only a question"}]},
-           {"messages": [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]},
+           {"messages": [{"role": "user", "content": "boom"},
+                         {"role": "assistant", "content": "x"}]},
            {"prompt": "y" * 20, "completion": "z" * 20}, '[1, 2]', "",
            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]
   ex, line = read(tmp_path, lines, seq_len=32, tokenizer=folder_with(tmp_path, raising),

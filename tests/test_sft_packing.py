@@ -94,8 +94,9 @@ def test_the_step_over_devices_and_microbatches_is_the_mean_over_trained_tokens(
   model = llama.LlamaLM(c)
   batch = sft.batch_at(examples, 0, 16, seed=0)
   tx = optax.sgd(0.0)
-  plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 3, jax.eval_shape(model.init, jax.random.key(0)),
-                           tx, logical_axes=model.logical_axes(), min_shard_size=0)
+  plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 3,
+                           jax.eval_shape(model.init, jax.random.key(0)), tx,
+                           logical_axes=model.logical_axes(), min_shard_size=0)
   state = zerojax.init_state(plan, model.init, tx, jax.random.key(0))
   params = jax.device_get(state.params)  # Whole, on the host.
   want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: llama.loss(c, p, batch)))(params)

@@ -213,7 +213,8 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
     (1, "--config.mesh.data=2", TINY), (3, "--config.mesh.fsdp=8", TINY),
     # Fine-tuning data, packed: 1200 examples make about 150 rows of 129 tokens, so the
     # stop after step 10 (row 160) lands in the second epoch; the run ends in the third.
-    (3, "--config.mesh.data=2", SFT_TINY)], ids=["stage1-data2", "stage3-fsdp8", "sft-stage3-data2"])
+    (3, "--config.mesh.data=2", SFT_TINY)],
+    ids=["stage1-data2", "stage3-fsdp8", "sft-stage3-data2"])
 def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
 
