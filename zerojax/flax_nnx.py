@@ -27,8 +27,6 @@ from typing import Any, NamedTuple
 import jax
 from flax import nnx
 
-from zerojax.stage3 import Sharded
-
 PyTree = Any
 
 
