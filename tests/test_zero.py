@@ -251,7 +251,11 @@ def tree_bytes(tree):
 
 def check_zero_formula(plan, compiled, batch=16, seq=16):
   """Per-device params + optimizer state: P+O, P+O/N, P+O/N, (P+O)/N within 3%, read
-  from the compiled step's arguments (less its batch slice, rng and step)."""
+  from the compiled step's arguments (less its batch slice, rng and step).
+
+  Returns:
+    (compiled state bytes, the formula's bytes) per device.
+  """
   n = plan.num_shards
   p_bytes, o_bytes = tree_bytes(plan.params), tree_bytes(plan.opt_state)
   formula = {0: p_bytes + o_bytes, 1: p_bytes + o_bytes / n, 2: p_bytes + o_bytes / n,
@@ -259,6 +263,7 @@ def check_zero_formula(plan, compiled, batch=16, seq=16):
   args = compiled.memory_analysis().argument_size_in_bytes
   batch_and_rng = batch * (seq + 1) * 4 // plan.num_data + 8 + 4
   assert abs(args - batch_and_rng - formula) / formula <= 0.03, (args, formula)
+  return args - batch_and_rng, formula
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
