@@ -1,0 +1,117 @@
+"""Flax NNX modules on the plan: one adapter from a module to what the plan and step take.
+
+`make_plan`, `init_state` and `make_train_step` work on a params pytree and pure
+functions of it; an NNX module is a mutable object holding its params in
+`nnx.Param` variables. `from_nnx` splits a module into its graph definition (the
+structure, static) and its params, and gives back the pieces the library takes:
+
+- `init`: rng -> the params as a plain nested dict (`nnx.to_pure_dict` of the
+  `nnx.Param` state; the same tree a linen model with the same submodule names has),
+  so `init_state` creates them sharded and a checkpoint holds plain dicts;
+- `params` / `logical_axes`: their shapes and the axis names read from each
+  variable's sharding metadata (`nnx.with_partitioning(init, names)`, stored as
+  `out_sharding`); layers made by `nnx.vmap` / `nnx.scan` with
+  `transform_metadata={nnx.PARTITION_NAME: 'layers'}` carry the leading 'layers' axis
+  that makes stage 3 gather them one layer at a time;
+- `loss`: `(params, batch, rng) -> loss`, the module rebuilt from the params
+  (`nnx.merge`) and handed to the user's `loss_fn(module, batch, rng)`.
+
+At stage 3 the stacked layers' variables hold `zerojax.Sharded` shards: the module's
+scan body calls `zerojax.gather(block)` on its one layer (NNX modules are pytrees), as
+a plain JAX model calls it on its layer's params.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+PyTree = Any
+
+
+class NnxModel(NamedTuple):
+  """An NNX module as `make_plan`, `init_state` and `make_train_step` take it.
+
+  Attributes:
+    init: `rng -> params`, the module's `nnx.Param` values as a nested dict.
+    params: their shapes and dtypes (`jax.ShapeDtypeStruct`s), for `make_plan`.
+    logical_axes: per param, its axis names from the sharding metadata (None for a
+      param without it), for `make_plan(logical_axes=...)`.
+    loss: `(params, batch, rng) -> loss`, for `make_train_step` / `make_eval_step`.
+    module: `params -> module`, the NNX module holding these params (e.g. the trained
+      `state.params`, to run or save the model after training).
+  """
+  init: Callable[[jax.Array], PyTree]
+  params: PyTree
+  logical_axes: PyTree
+  loss: Callable[[PyTree, PyTree, jax.Array], Any]
+  module: Callable[[PyTree], nnx.Module]
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def axis_names(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+  """A variable's logical axis names from its `out_sharding` metadata, or None.
+
+  Entries that are not one name (a tuple of mesh axes) carry no logical name, so they
+  become None: the plan only reads names, the 'layers' axis above all.
+  """
+  names = variable.get_metadata().get("out_sharding")
+  if not names:
+    return None
+  names = getattr(names, "spec", names)  # A NamedSharding: its PartitionSpec.
+  return tuple(n if isinstance(n, str) else None for n in names)
+
+
+def from_nnx(create: Callable[..., nnx.Module],
+             loss_fn: Callable[[nnx.Module, PyTree, jax.Array], Any]) -> NnxModel:
+  """Splits an NNX module into the params pytree and pure functions the plan takes.
+
+  Args:
+    create: builds the module from `rngs=nnx.Rngs(key)` (a module class whose only
+      argument is `rngs`, or `functools.partial(Module, config)`). It runs abstractly
+      here and inside `init`'s jit, so no whole copy of the params is ever made.
+      Variables are created without NNX's eager sharding: the plan decides the layout.
+    loss_fn: `(module, batch, rng) -> loss` or `(loss, aux_dict)`; the rng is the
+      step's (e.g. `nnx.Rngs(dropout=rng)` for dropout).
+
+  Returns:
+    The `NnxModel`.
+
+  Raises:
+    ValueError: if the module holds variables other than `nnx.Param` and RNG state
+      (batch statistics, caches): the step trains params only and would drop their
+      updates.
+  """
+  def build(key):
+    with nnx.use_eager_sharding(False):
+      return nnx.split(create(rngs=nnx.Rngs(key)), nnx.Param, ...)
+
+  graphdef, abstract, rest = nnx.eval_shape(lambda: build(jax.random.key(0)))
+  others = {type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)
+            if not isinstance(v, nnx.RngState)}
+  if others:
+    raise ValueError(
+        f"the module holds {sorted(others)} variables besides nnx.Param: zerojax trains "
+        "params only and would drop their updates; keep such state outside the module")
+  # The RNG state the module keeps (its Rngs' keys and counts) is made for real, but
+  # only it: under jit the params it does not return are never computed.
+  rest = jax.jit(lambda: build(jax.random.key(0))[2])()
+
+  def module(params: PyTree) -> nnx.Module:
+    # A fresh State per call: `replace_by_pure_dict` writes into the one it is given.
+    state = jax.tree.map(lambda v: v, abstract, is_leaf=_is_variable)
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(graphdef, state, rest)
+
+  def loss(params: PyTree, batch: PyTree, rng: jax.Array) -> Any:
+    return loss_fn(module(params), batch, rng)
+
+  return NnxModel(
+      init=lambda rng: nnx.to_pure_dict(build(rng)[1]),
+      params=nnx.to_pure_dict(abstract),
+      logical_axes=nnx.to_pure_dict(abstract, axis_names),
+      loss=loss, module=module)
