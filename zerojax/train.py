@@ -3,6 +3,11 @@
     python train.py                                     # configs/tiny.py on CPU, under 8 minutes
     python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/x
     python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64
+    zerojax-train --config my_config.py                 # the same, from an installed package
+
+Read top-down: `setup` (config, data, the compiled step and its memory), `restore_or_init`,
+`train_loop` (the steps), `main`. The checkout's train.py and the `zerojax-train` console
+script both call `main`.
 
 At start it prints the resolved config (saved as <workdir>/config.json once the run is
 accepted: the workdir's lock taken, the checkpoint resumed), the mesh, the
@@ -61,7 +66,11 @@ from zerojax.mesh import processes_per_group
 from zerojax.models import hf
 from zerojax.models.attention import attention_kernel
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny.py")
+# The quick start's config in a checkout (beside its train.py); an installed package has
+# no configs/ folder, so there --config is required (a ConfigError that says so).
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_CONFIG = (os.path.join(_CHECKOUT, "configs", "tiny.py")
+                  if os.path.exists(os.path.join(_CHECKOUT, "train.py")) else None)
 
 
 class Run(NamedTuple):
@@ -80,8 +89,9 @@ class Run(NamedTuple):
 def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
   """(config path, overrides, train.py's flags); starts the fake CPU devices if asked."""
   path, overrides, rest = parse_argv(argv, default=DEFAULT_CONFIG)
-  parser = ArgumentParser(prog="train.py", description=__doc__.split("\n")[0],
-                          default_config=os.path.relpath(DEFAULT_CONFIG))
+  # prog is argparse's default, the command as typed: train.py or zerojax-train.
+  parser = ArgumentParser(description=__doc__.split("\n")[0],
+                          default_config=DEFAULT_CONFIG and os.path.relpath(DEFAULT_CONFIG))
   parser.add_argument("--dry_run", action="store_true",
                       help="compile the step from abstract inputs, report memory, train nothing")
   parser.add_argument("--fake_devices", type=int, default=0,
@@ -326,7 +336,8 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
 
 
 @exit_on_config_error
-def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
+def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
+  """The run: setup, then a dry run's exit, or the restored state trained to train.steps."""
   run = setup(argv, cleanup)
   if run.args.dry_run:
     return exits.DONE
@@ -344,12 +355,18 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   return train_loop(run, state)
 
 
-def run(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+  """`train` with each error turned into its line and exit status (zerojax/exits.py).
+
+  Args:
+    argv: the command line after the program's name (default: sys.argv[1:]).
+  """
+  argv = sys.argv[1:] if argv is None else argv
   try:
     # A lost peer ends the run (one line, exits.PEER_LOST) before the cleanup, which could
     # wait on it forever.
     with contextlib.ExitStack() as cleanup, peers.exit_on_lost_peer():
-      return main(argv, cleanup)
+      return train(argv, cleanup)
   except precision.NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     return exits.NON_FINITE
@@ -364,4 +381,4 @@ def run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(run(sys.argv[1:]))
+  sys.exit(main())
