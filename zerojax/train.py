@@ -303,7 +303,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
       rates = speed.report(step)
       line = metrics.progress_line(step, t.steps, m, rates)
       report(line, step=step, **m, **rates)
-      report.advance(step, line.split("  ", 1)[1])
+      report.advance(step, {**m, **rates})
     else:
       report.advance(step)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
