@@ -66,3 +66,15 @@ def test_durations_stay_short():
   # The log line carries every number, whatever the width.
   line = metrics.progress_line(123456, 1_000_000, VALUES, {"tokens_per_s": 1234567.0})
   assert all(number in line for number in NUMBERS.values()), line
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_lines_above_the_bar_wrap_between_numbers(width):
+  """A log line wider than the terminal breaks between fields: each 'name number' whole."""
+  line = metrics.progress_line(123456, 1_000_000, VALUES, {})
+  assert len(line) > width
+  wrapped = metrics.wrap_fields(line, width).split("\n")
+  assert len(wrapped) > 1 and all(len(w) <= width for w in wrapped), wrapped
+  for number in ["step 123456/1000000", *NUMBERS.values()]:
+    assert sum(number in w for w in wrapped) == 1, (number, wrapped)
+  assert metrics.wrap_fields("step      3  eval_loss 2.5000", width) == "step      3  eval_loss 2.5000"

@@ -6,6 +6,7 @@ run reads like a single-host one.
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -66,7 +67,8 @@ class Reporter:
     if not self.enabled:
       return
     if text is not None and self.bar is not None:
-      self.bar.console.print(text, highlight=False, markup=False)  # Above the bar.
+      self.bar.console.print(wrap_fields(text, self.bar.console.width), highlight=False,
+                             markup=False)  # Above the bar.
     elif text is not None:
       print(text, flush=True)
     if self.path and record:
@@ -128,6 +130,22 @@ def progress_line(step: int, total: int, metrics: dict[str, float],
   """One line: step, loss, grad norm, lr, tokens/s, MFU (if known), ETA."""
   return "  ".join([f"step {step:6d}/{total}"]
                    + [text for _, text in _fields({**metrics, **rates})])
+
+
+def wrap_fields(text: str, width: int) -> str:
+  """A one-line `text` wrapped to `width` between its fields, never inside one.
+
+  Fields are what a progress line joins with two spaces before a name ("loss 2.1234",
+  "eta 3d04h"); a terminal or rich would wrap between a name and its number.
+  """
+  if "\n" in text or len(text) <= width:
+    return text
+  lines = [""]
+  for field in re.split(r"(?<=\S)  (?=[a-z])", text):
+    if lines[-1].strip() and len(lines[-1]) + 2 + len(field) > width:
+      lines.append("  ")  # A continuation, indented under the first line.
+    lines[-1] += ("  " if lines[-1].strip() else "") + field
+  return "\n".join(lines)
 
 
 # When the bar's line is wider than the terminal, the bar shrinks, then goes, then these
