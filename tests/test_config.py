@@ -373,10 +373,11 @@ def test_argument_parser_mistakes_are_config_errors():
 
 @pytest.mark.slow
 def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
-  """A built wheel, installed on its own (no checkout on sys.path), runs a copied config and
-  train.py.
+  """A built wheel, installed on its own (no checkout on sys.path), trains from a copied config
+  with its `zerojax-train` console script, and its other scripts run.
 
-  The schema is in the package, so nothing depends on a `configs/` folder beside it.
+  The schema and the trainer are in the package, so nothing depends on the checkout's
+  `configs/` folder or train.py.
   """
   wheels, site, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "elsewhere"
   pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -386,16 +387,30 @@ def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
   subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
                  capture_output=True)
   elsewhere.mkdir()
-  for name in ("train.py", "configs/tiny.py"):
-    (elsewhere / os.path.basename(name)).write_text(open(os.path.join(REPO, name)).read())
+  (elsewhere / "tiny.py").write_text(open(TINY).read())
   env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
-  run = lambda *args: subprocess.run([sys.executable, *args], cwd=elsewhere, env=env,  # noqa: E731
+  run = lambda *args: subprocess.run(args, cwd=elsewhere, env=env,  # noqa: E731
                                      capture_output=True, text=True, timeout=300)
-  where = run("-c", "import zerojax; print(zerojax.__file__)")
+  where = run(sys.executable, "-c", "import zerojax; print(zerojax.__file__)")
   assert where.stdout.startswith(str(site)), where.stdout + where.stderr
-  printed = run("-m", "zerojax.config", "--config", "tiny.py")
+  printed = run(sys.executable, "-m", "zerojax.config", "--config", "tiny.py")
   assert printed.returncode == 0 and "stage: 3" in printed.stdout, printed.stderr
-  trained = run("train.py", "--config", "tiny.py", "--config.train.steps=20",
-                "--config.optimizer.warmup_steps=5", "--config.train.eval_every=0")
+  script = lambda name: str(site / "bin" / f"zerojax-{name}")  # noqa: E731 (pip --target's bin/)
+  # No checkout, so no default config: the error names the flag.
+  bare = run(script("train"))
+  assert bare.returncode == 2 and "--config path/to/config.py" in bare.stderr, bare.stderr
+  trained = run(script("train"), "--config", "tiny.py", "--config.train.steps=5",
+                "--config.optimizer.warmup_steps=2", "--config.train.eval_every=0",
+                "--workdir", "run")
   assert trained.returncode == 0, trained.stderr[-2000:]
-  assert "done: 20 steps" in trained.stdout + trained.stderr
+  assert "done: 5 steps" in trained.stdout + trained.stderr
+  planned = run(script("memory"), "--config", "tiny.py", "--devices", "8",
+                "--device-memory", "1GiB")
+  assert planned.returncode == 0 and "total per device" in planned.stdout, planned.stderr
+  # The run is a Llama with a checkpoint: export writes a HF folder from it.
+  exported = run(script("export"), "--workdir", "run", "--out", "hf")
+  assert exported.returncode == 0, exported.stderr[-2000:]
+  assert (elsewhere / "hf" / "config.json").exists()
+  for name in ("launch", "generate"):
+    helped = run(script(name), "--help")
+    assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stderr

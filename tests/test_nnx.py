@@ -8,10 +8,11 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_zero import check_zero_formula, rel
 
 import zerojax
 from zerojax.testing import hlo
+
+from test_zero import check_zero_formula, rel
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
