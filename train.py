@@ -75,6 +75,7 @@ class Run(NamedTuple):
   eval_tokens: np.ndarray | sft.Examples
   built: Built  # Mesh, model, optimizer, plan, batch sharding.
   train_step: Any  # The compiled step.
+  compiled_memory: int  # Bytes per device (arguments + temporaries, + host-resident state).
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
@@ -198,7 +199,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
         f"devices), {units.fmt_bytes(host)} available.", source=path,
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
-  return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)
+  return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step,
+             total)
 
 
 def _tokens(source: np.ndarray | sft.Examples) -> int:
@@ -274,7 +276,11 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
-  eval_loss = evaluate(start)
+  # A resumed run's first held-out loss was logged before the stop when eval_every
+  # divides its step (evaluation comes before the save): not again, no step twice.
+  resumed_at_eval = start and t.eval_every and start % t.eval_every == 0
+  eval_loss = None if resumed_at_eval else evaluate(start)
+  report(step=start, compiled_memory=run.compiled_memory)
   tokens_per_step = t.global_batch_size * t.seq_len
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
@@ -292,7 +298,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # Waits for the step.
       rates = speed.report(step)
       line = metrics.progress_line(step, t.steps, m, rates)
-      report(line, step=step, **m, **rates)
+      report(line, step=step, **m, **rates, **metrics.device_memory())
       report.advance(step, line.split("  ", 1)[1])
     else:
       report.advance(step)
@@ -341,6 +347,9 @@ def main(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
+  # TensorBoard and W&B from here: a refused or finished run leaves their runs untouched.
+  cleanup.callback(run.report.close)
+  run.report.open_writers(c, start)
   return train_loop(run, state)
 
 
