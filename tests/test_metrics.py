@@ -64,3 +64,18 @@ def test_wandb_without_the_extra_is_a_config_error_naming_the_install(monkeypatc
   with pytest.raises(ConfigError, match="logging.wandb.project is empty") as e:
     validate(config, source="test")
   assert e.value.key == "logging.wandb.entity"
+
+
+def test_tensorboard_resume_after_a_kill_drops_the_orphaned_steps(tmp_path):
+  """A run killed at step 5 after its checkpoint at 3: the resumed run's event file
+  starts at 4, and TensorBoard shows steps 4 and 5 from it only."""
+  config = base_config()
+  for start, stop, loss in ((0, 5, 1.0), (3, 6, 2.0)):
+    writer = metrics.tensorboard(str(tmp_path), config, start)
+    for step in range(start + 1, stop + 1):
+      writer.scalars(step, {"train/loss": loss})
+    writer.close()
+  written = run_logs.tensorboard_scalars(str(tmp_path), purge=False)["train/loss"]
+  assert [s for s, _ in written] == [1, 2, 3, 4, 5, 4, 5, 6]  # Both files hold 4 and 5.
+  shown = run_logs.tensorboard_scalars(str(tmp_path))["train/loss"]
+  assert shown == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]

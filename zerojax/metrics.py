@@ -72,7 +72,10 @@ def tensorboard(logdir: str, config: ml_collections.ConfigDict, start: int) -> W
   after `start` (logged by a run killed after its last checkpoint): no step twice.
   """
   from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-  writer = SummaryWriter(logdir, purge_step=start + 1 if start else None)
+  # The file is named by the second it was opened in; the start step keeps two runs
+  # opened in one second apart (else the second would overwrite the first's file).
+  writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
+                         filename_suffix=f".from{start}")
   writer.add_text("config", config_text(config), start)
 
   def scalars(step: int, values: dict[str, float]) -> None:

@@ -1,9 +1,10 @@
 """Reading back what the metrics writers wrote, with readers other than the writers.
 
 `tensorboard_scalars`: every scalar event of a log directory, through the `tensorboard`
-package's own EventAccumulator (what TensorBoard shows), without its purging, so a step
-written twice is seen twice. `wandb_history`: the history rows of W&B's offline run
-files (`run-<id>.wandb`: LevelDB's log format around W&B's `Record` protobufs).
+package's own EventAccumulator: what TensorBoard shows, or, without its purging, all
+that the files hold (a step written twice, twice). `wandb_history`: the history rows of
+W&B's offline run files (`run-<id>.wandb`: LevelDB's log format around W&B's `Record`
+protobufs).
 """
 
 import glob
@@ -15,12 +16,13 @@ _HEADER = 7  # crc32c (4), length (2), type (1).
 _FULL, _FIRST, _LAST = 1, 2, 4
 
 
-def tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-  """{tag: [(step, value), ...]} in the order written, over every event file in `logdir`."""
+def tensorboard_scalars(logdir: str, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} over every event file in `logdir`: as TensorBoard shows
+  them, or with `purge=False` all that the files hold (a step written twice, twice)."""
   from tensorboard.backend.event_processing import event_accumulator  # test extra
   acc = event_accumulator.EventAccumulator(
       logdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0},
-      purge_orphaned_data=False)
+      purge_orphaned_data=purge)
   acc.Reload()
   return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
