@@ -8,7 +8,9 @@ At start it prints the resolved config (saved as <workdir>/config.json once the 
 accepted: the workdir's lock taken, the checkpoint resumed), the mesh, the
 parameter count and the compiled per-device memory of the step; then a progress line
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
-and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
+and the held-out loss every train.eval_every steps; with a workdir the same numbers go
+to <workdir>/metrics.jsonl and TensorBoard (<workdir>/tb), and to W&B with
+logging.wandb.project (zerojax/metrics.py). `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
 `--fake_devices`) and exits. Bad command line, config or data: one `error:` line, exit
 status 2, before the config is printed; on CPU a step larger than the host's free memory
