@@ -1,5 +1,6 @@
 """Tests for train.py end to end (in a subprocess), zerojax.data and zerojax.optim."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,10 +13,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import data, exits, optim, sft_demo
+from zerojax import data, exits, metrics, optim, sft_demo
 from zerojax.config import base_config
 from zerojax.devices import fake_devices_env
 from zerojax.mesh import make_mesh
+from zerojax.testing import run_logs
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -220,7 +224,8 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
 
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
   schedule resumes too) and bit-identical checkpoints of the whole state (params, Adam
-  moments, Kahan buffers, step, rng, loss scale), read back from disk.
+  moments, Kahan buffers, step, rng, loss scale), read back from disk. TensorBoard (and,
+  with the wandb extra, W&B offline) has every scalar of metrics.jsonl at its step, once.
   """
   k = 10
   extra = ()
@@ -229,8 +234,12 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
     extra = (f"--config.data.path={paths['train']}", f"--config.data.eval_path={paths['eval']}")
   common = ("--config", config, *extra, f"--config.zero.stage={stage}", mesh,
             f"--config.train.steps={2 * k}", "--config.optimizer.warmup_steps=4",
-            "--config.train.log_every=1", "--config.train.eval_every=0",
-            "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4")
+            "--config.train.log_every=1", f"--config.train.eval_every={k}",
+            "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
+            "--config.train.peak_flops=1e12")  # An MFU on CPU too.
+  if HAS_WANDB and stage == 3 and config == TINY:  # One case: W&B adds seconds a run.
+    common += ("--config.logging.wandb.project=zerojax-test",
+               "--config.logging.wandb.mode=offline")
   env = train_env()
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   first = run_train(*common, f"--workdir={straight}", env=env)
@@ -245,11 +254,12 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   assert again.returncode == 0, again.stderr[-2000:]
   assert f"resumed from {resumed}/checkpoints/{k}\n" in again.stdout
 
-  timing = ("tokens_per_s", "eta_s")
+  timing = ("tokens_per_s", "eta_s", "mfu")
   a, b = ([{x: v for x, v in r.items() if x not in timing} for r in step_records(w)]
           for w in (straight, resumed))
   assert [r["step"] for r in b] == list(range(1, 2 * k + 1))  # No step twice, none lost.
   assert a == b
+  check_writers(resumed, k, wandb="--config.logging.wandb.mode=offline" in common)
   lr = [r["learning_rate"] for r in b]  # Up for 4 steps, then down: resumed mid-cosine.
   assert lr[:5] == sorted(lr[:5]) and lr[4:] == sorted(lr[4:], reverse=True) and lr[-1] < lr[4]
   # Checkpoints of both workdirs (every 4 steps, keep 3; the stopped run added step k).
@@ -296,6 +306,38 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
     clash = run_train(*common, "--config.model.d_model=64", f"--workdir={resumed}", env=env)
     assert clash.returncode == 2 and "d_model" in clash.stderr
     assert "Traceback" not in clash.stderr
+
+
+def check_writers(workdir, k: int, wandb: bool) -> None:
+  """TensorBoard's event files (and W&B's offline runs) of a run stopped after step k and
+  resumed: each scalar of metrics.jsonl at each of its steps, once, with its value."""
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  # A second event file for the resumed run; its config text at its first step.
+  assert len(os.listdir(workdir / "tb")) == 2
+  assert sorted(run_logs.tensorboard_texts(str(workdir / "tb"))) == [0, k]
+  scalars = run_logs.tensorboard_scalars(str(workdir / "tb"), purge=False)  # All written.
+  for key, tag in metrics.SCALARS.items():
+    want = [(r["step"], np.float32(r[key])) for r in records if key in r and "step" in r]
+    assert [(s, np.float32(v)) for s, v in scalars.get(tag, [])] == want, tag
+  steps = lambda tag: [s for s, _ in scalars[tag]]
+  logged = list(range(1, 2 * k + 1))
+  for tag in ("train/loss", "train/grad_norm", "train/learning_rate", "perf/tokens_per_s",
+              "perf/mfu", "precision/loss_scale", "precision/skipped"):
+    assert steps(tag) == logged, tag
+  # Held-out loss every k steps; the resumed run does not repeat the stopped one's at k.
+  assert steps("eval/loss") == [0, k, 2 * k]
+  assert steps("memory/compiled_bytes_per_device") == [0, k]
+  if not wandb:
+    return
+  # Both runs appended to the one W&B run whose id the workdir keeps.
+  rows = run_logs.wandb_history(str(workdir / "wandb"))
+  run_id = (workdir / "wandb_run_id").read_text().strip()
+  assert {r for r, _, _ in rows} == {run_id}
+  history = {}
+  for _, step, values in rows:
+    for tag, value in values.items():
+      history.setdefault(tag, []).append((step, np.float32(value)))
+  assert history == {tag: [(s, np.float32(v)) for s, v in got] for tag, got in scalars.items()}
 
 
 # Run as `python -c STALLED_TRAIN train.py ARGS`: train.py, except that the save of step

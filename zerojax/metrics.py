@@ -1,16 +1,24 @@
-"""What a run reports: throughput, MFU, a progress line or bar, JSONL records.
+"""What a run reports: throughput, MFU, a progress line or bar, JSONL records, and the
+same scalars to TensorBoard (`<workdir>/tb`, tensorboardX) and Weights & Biases.
 
 Only process 0 prints and writes; every other process stays quiet, so a multi-host
 run reads like a single-host one.
 """
 
 import json
+import netrc
 import os
 import re
+import secrets
+import socket
 import sys
 import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
+import ml_collections
 from rich import console as rich_console, progress, progress_bar, table
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (vendor datasheets). A device
@@ -29,6 +37,103 @@ def peak_flops(device: jax.Device, override: float = 0.0) -> float:
   return next((v for k, v in PEAK_FLOPS.items() if k in kind), 0.0)
 
 
+# Record keys (metrics.jsonl) -> the writers' tags; other keys stay in the JSONL only.
+SCALARS = {
+    "loss": "train/loss", "grad_norm": "train/grad_norm", "learning_rate": "train/learning_rate",
+    "update_norm": "train/update_norm",
+    "eval_loss": "eval/loss", "exact_match": "eval/exact_match",
+    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "loss_scale": "precision/loss_scale", "skipped": "precision/skipped",
+    "consecutive_skips": "precision/consecutive_skips",
+    "compiled_memory": "memory/compiled_bytes_per_device",
+    "peak_bytes_in_use": "memory/peak_bytes_in_use", "bytes_in_use": "memory/bytes_in_use",
+}
+
+
+class Writer(NamedTuple):
+  """A metrics sink: `scalars(step, {tag: value})`, `close()`."""
+  scalars: Callable[[int, dict[str, float]], Any]
+  close: Callable[[], Any]
+
+
+def device_memory() -> dict[str, int]:
+  """This process's first device's bytes in use and peak (GPU, TPU); {} where unknown (CPU)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return {k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use") if k in stats}
+
+
+def config_text(config: ml_collections.ConfigDict) -> str:
+  """The config as Markdown (an indented block, shown as written by TensorBoard's text tab)."""
+  return "\n".join("    " + line for line in config.to_json_best_effort(indent=2).splitlines())
+
+
+def tensorboard(logdir: str, config: ml_collections.ConfigDict, start: int) -> Writer:
+  """Event files in `logdir`; a resumed run (start > 0) writes a new file from start + 1.
+
+  `purge_step` marks the new file so TensorBoard drops what older files hold at steps
+  after `start` (logged by a run killed after its last checkpoint): no step twice.
+  """
+  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  # The file is named by the second it was opened in; the start step keeps two runs
+  # opened in one second apart (else the second would overwrite the first's file).
+  writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
+                         filename_suffix=f".from{start}")
+  writer.add_text("config", config_text(config), start)
+
+  def scalars(step: int, values: dict[str, float]) -> None:
+    for tag, value in values.items():
+      writer.add_scalar(tag, value, step)
+    writer.flush()  # Readable while the run goes on, and after a kill.
+
+  return Writer(scalars, writer.close)
+
+
+def _wandb_reachable() -> bool:
+  """Whether the W&B server answers and an API key is set: online can work."""
+  url = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+  host = url.hostname or "api.wandb.ai"
+  try:
+    key = os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators(host)
+  except (OSError, netrc.NetrcParseError):
+    key = None
+  if not key:
+    return False
+  try:
+    socket.create_connection((host, url.port or 443), timeout=3).close()
+    return True
+  except OSError:
+    return False
+
+
+def wandb_run(workdir: str, config: ml_collections.ConfigDict, log: Callable[[str], Any]
+              ) -> Writer:
+  """A W&B run; its id is kept in `<workdir>/wandb_run_id`, so a resumed run appends to it.
+
+  Mode auto: $WANDB_MODE if set, else online when the server answers and a key is set,
+  else offline (files under `<workdir>/wandb`; `wandb sync` uploads them later).
+  """
+  import wandb  # pylint: disable=g-import-not-at-top
+  w = config.logging.wandb
+  mode = w.mode
+  if mode == "auto":
+    mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_reachable() else "offline")
+  run_id, id_file = None, os.path.join(workdir, "wandb_run_id") if workdir else ""
+  if id_file and os.path.exists(id_file):
+    with open(id_file) as f:
+      run_id = f.read().strip()
+  run_id = run_id or secrets.token_hex(6)  # W&B's id alphabet: [a-z0-9].
+  if id_file:
+    with open(id_file, "w") as f:
+      f.write(run_id + "\n")
+  run = wandb.init(project=w.project, entity=w.entity or None, name=w.name or None, id=run_id,
+                   resume="allow", dir=workdir or None, config=config.to_dict(), mode=mode,
+                   settings=wandb.Settings(quiet=True))  # Our own line says where it went.
+  log(f"wandb: run {run_id} ({mode})" + (
+      f"; upload later with: wandb sync {run.dir.removesuffix('/files')}"
+      if mode == "offline" else ""))
+  return Writer(lambda step, values: run.log(values, step=step), run.finish)
+
+
 class Reporter:
   """Prints lines and appends JSON records to `<workdir>/metrics.jsonl` (process 0).
 
@@ -40,9 +145,25 @@ class Reporter:
   def __init__(self, workdir: str = ""):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl") if workdir else ""
+    self.workdir = workdir
     self.bar, self.task = None, None
+    self.writers: list[Writer] = []
     if self.enabled and workdir:
       os.makedirs(workdir, exist_ok=True)
+
+  def open_writers(self, config: ml_collections.ConfigDict, start: int) -> None:
+    """TensorBoard (with a workdir) and W&B (with a project) from step `start` on."""
+    if not self.enabled:
+      return
+    if self.workdir and config.logging.tensorboard:
+      self.writers.append(tensorboard(os.path.join(self.workdir, "tb"), config, start))
+    if config.logging.wandb.project:
+      self.writers.append(wandb_run(self.workdir, config, self))
+
+  def close(self) -> None:
+    for writer in self.writers:
+      writer.close()
+    self.writers = []
 
   def start_bar(self, total: int, console: rich_console.Console | None = None) -> None:
     """Shows the bar on a terminal (or on `console`, given one) until `stop_bar`."""
@@ -74,6 +195,10 @@ class Reporter:
     if self.path and record:
       with open(self.path, "a") as f:
         f.write(json.dumps(record) + "\n")
+    values = {SCALARS[k]: float(v) for k, v in record.items() if k in SCALARS}
+    if "step" in record and values:
+      for writer in self.writers:
+        writer.scalars(record["step"], values)
 
 
 class Throughput:

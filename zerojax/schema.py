@@ -51,6 +51,8 @@ GROUPS: dict[str, str] = {
     "checkpoint": "Only when workdir is set: <workdir>/checkpoints.",
     "model": "The model family and its shape (Llama keys follow Hugging Face's config.json).",
     "data": "Where tokens come from.",
+    "logging": "Metrics writers beside <workdir>/metrics.jsonl (process 0 only).",
+    "logging.wandb": "Weights & Biases (pip install -e \".[wandb]\"); off while project is \"\".",
 }
 
 _ROWS = (
@@ -223,6 +225,15 @@ _ROWS = (
     Field("data.eval_fraction", 0.05, 'Share of the tokens (sft: the last examples) held out for '
           'evaluation when data.eval_path is "".',
           range=Range(lambda v: 0 < v <= 0.5, "in (0, 0.5]")),
+    Field("logging.tensorboard", True, "TensorBoard event files in <workdir>/tb (tensorboardX); "
+          "nothing without a workdir."),
+    Field("logging.wandb.project", "", 'The W&B project; "" = no W&B. The run id is kept in '
+          "<workdir>/wandb_run_id, so a resumed run appends to the same W&B run."),
+    Field("logging.wandb.entity", "", 'The W&B team or user; "" = your default.'),
+    Field("logging.wandb.name", "", 'The W&B run name; "" = W&B picks one.'),
+    Field("logging.wandb.mode", "auto", "auto: online when the W&B server answers and an API key "
+          "is set (or as $WANDB_MODE says), else offline (wandb sync uploads later).",
+          choices=("auto", "online", "offline")),
 )
 FIELDS: dict[str, Field] = {f.key: f for f in _ROWS}
 

@@ -13,7 +13,9 @@ At start it prints the resolved config (saved as <workdir>/config.json once the 
 accepted: the workdir's lock taken, the checkpoint resumed), the mesh, the
 parameter count and the compiled per-device memory of the step; then a progress line
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
-and the held-out loss every train.eval_every steps. `--dry_run` compiles the step from
+and the held-out loss every train.eval_every steps; with a workdir the same numbers go
+to <workdir>/metrics.jsonl and TensorBoard (<workdir>/tb), and to W&B with
+logging.wandb.project (zerojax/metrics.py). `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
 `--fake_devices`) and exits. Bad command line, config or data: one `error:` line, exit
 status 2, before the config is printed; on CPU a step larger than the host's free memory
@@ -84,6 +86,7 @@ class Run(NamedTuple):
   eval_tokens: np.ndarray | sft.Examples
   built: Built  # Mesh, model, optimizer, plan, batch sharding.
   train_step: Any  # The compiled step.
+  compiled_memory: int  # Bytes per device (arguments + temporaries, + host-resident state).
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
@@ -208,7 +211,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
         f"devices), {units.fmt_bytes(host)} available.", source=path,
         fix="the memory plan above lists changes that fit; --dry_run compiles it without "
             "allocating")
-  return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step)
+  return Run(config, path, args, report, ckpt, train_tokens, eval_tokens, built, train_step,
+             total)
 
 
 def _tokens(source: np.ndarray | sft.Examples) -> int:
@@ -284,7 +288,11 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
-  eval_loss = evaluate(start)
+  # A resumed run's first held-out loss was logged before the stop when eval_every
+  # divides its step (evaluation comes before the save): not again, no step twice.
+  resumed_at_eval = start and t.eval_every and start % t.eval_every == 0
+  eval_loss = None if resumed_at_eval else evaluate(start)
+  report(step=start, compiled_memory=run.compiled_memory)
   tokens_per_step = t.global_batch_size * t.seq_len
   peak = metrics.peak_flops(jax.devices()[0], t.peak_flops) * jax.device_count()
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
@@ -302,7 +310,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # Waits for the step.
       rates = speed.report(step)
       line = metrics.progress_line(step, t.steps, m, rates)
-      report(line, step=step, **m, **rates)
+      report(line, step=step, **m, **rates, **metrics.device_memory())
       report.advance(step, {**m, **rates})
     else:
       report.advance(step)
@@ -352,6 +360,9 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
+  # TensorBoard and W&B from here: a refused or finished run leaves their runs untouched.
+  cleanup.callback(run.report.close)
+  run.report.open_writers(c, start)
   return train_loop(run, state)
 
 

@@ -9,6 +9,7 @@ is `zerojax.mesh.resolve_shape`'s.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -194,6 +195,30 @@ def _check_workdir(config: ml_collections.ConfigDict, source: Source) -> None:
                       source=where, fix="name a directory you can write to")
 
 
+def _importable(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ValueError:  # In sys.modules as None: imports of it are blocked.
+    return False
+
+
+def _check_logging(config: ml_collections.ConfigDict, source: Source) -> None:
+  """W&B is an extra: asking for it without the package is a mistake caught before any work."""
+  w = config.logging.wandb
+  if w.project and not _importable("wandb"):
+    raise ConfigError(f"is {w.project!r}, but the wandb package is not installed.",
+                      key="logging.wandb.project",
+                      source=source_of(source, "logging.wandb.project"),
+                      fix='pip install -e ".[wandb]" (or pip install "zerojax[wandb]"), or '
+                          "leave logging.wandb.project empty")
+  for key in ("entity", "name"):
+    if w[key] and not w.project:
+      where = source_of(source, f"logging.wandb.{key}")
+      raise ConfigError(f"is {w[key]!r}, but logging.wandb.project is empty: W&B is off.",
+                        key=f"logging.wandb.{key}", source=where,
+                        fix="set --config.logging.wandb.project=NAME too")
+
+
 def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
                    source: Source) -> None:
   """What gradient release (`zerojax.release`) cannot do yet, named by its keys."""
@@ -274,6 +299,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _check_model(config, source)
   _check_data(config, source)
   _check_workdir(config, source)
+  _check_logging(config, source)
   if config.model.name == "mlp_lm" and config.model.context > config.train.seq_len:
     raise ConfigError(f"context {config.model.context} is longer than "
                       f"train.seq_len={config.train.seq_len}.", key="model.context",
