@@ -4,7 +4,6 @@ written here from the HF definition (modeling_llama.py), and train.py's --init_f
 import json
 import math
 import os
-import runpy
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import zerojax.train
 from zerojax import exits, export, make_mesh, make_plan
 from zerojax.devices import fake_devices_env
 from zerojax.models import hf, llama
@@ -362,9 +362,8 @@ def test_train_init_from_hf(tmp_path, capsys):
   # A model section that contradicts config.json: exit 2 naming the key, no traceback.
   # In this process too: train.py checks it before it touches JAX beyond
   # jax.device_count() (no compile, no jax.config change), so nothing leaks.
-  run = runpy.run_path(TRAIN_ARGS[0])["run"]  # Its __main__ block does not run.
-  code = run([*TRAIN_ARGS[1:], *model_args, "--config.model.d_ff=128", *run_args[:-1],
-              f"--config.workdir={tmp_path / 'other'}"])
+  code = zerojax.train.main([*TRAIN_ARGS[1:], *model_args, "--config.model.d_ff=128",
+                             *run_args[:-1], f"--config.workdir={tmp_path / 'other'}"])
   assert code == 2 and "model.d_ff: config 128, config.json 64" in capsys.readouterr().err
 
 
