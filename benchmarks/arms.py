@@ -70,5 +70,5 @@ def run_seed(built: Any, config: Any, seed: int, tokens: np.ndarray, held_out: n
       curve.append((step, held_out_loss(state.params)))
   skipped = float(metrics["skipped"])
   curve.append((t.steps, held_out_loss(state.params)))
-  return dict(final=curve[-1][1], curve=curve, train_loss=[float(x) for x in losses],
+  return dict(final=curve[-1][1], curve=curve, train_loss=[round(float(x), 5) for x in losses],
               skipped=skipped, seconds=round(time.perf_counter() - start, 1))

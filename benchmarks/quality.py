@@ -25,6 +25,7 @@ benchmarks/results/quality[_tiny].json (after every run) and quality[_tiny].png.
 import argparse
 import json
 import os
+import re
 import time
 
 from zerojax.devices import fake_cpu_devices
@@ -183,8 +184,8 @@ def main():
             f"{run['skipped']:.0f} skipped, {run['seconds']}s", flush=True)
       result["summary"] = summary(result["runs"])
       result["seconds"] = round(time.perf_counter() - start, 1)
-      with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+      with open(out, "w") as f:  # One line per list of numbers.
+        f.write(re.sub(r"\n\s+(?=[-\d\]])", " ", json.dumps(result, indent=1)) + "\n")
   report(result, out[:-len(".json")] + ".png")
 
 
