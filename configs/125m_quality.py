@@ -1,10 +1,10 @@
-"""A ~113M-param Llama on the stdlib bytes: the quality benchmark's model (issue 15).
+"""A 113.7M-param Llama on the stdlib bytes: the quality benchmark's model (issue 15).
 
     python benchmarks/quality.py                    # one GPU: the five arms, 2 seeds
     python train.py --config configs/125m_quality.py    # one run of the default recipe
 
 GPT-2-small's width and depth (d_model 768, 12 layers, 12 heads) with a byte
-vocabulary, so nearly every parameter is in the blocks: 113M with d_ff 3072 (SwiGLU).
+vocabulary, so nearly every parameter is in the blocks: 113.7M with d_ff 3072 (SwiGLU).
 Hardware: one GPU; 8 x 256 tokens per step, about one pass over the 4 MiB corpus in
 2,000 steps. bf16 params + Kahan AdamW with bf16 state (the library's recipe);
 benchmarks/quality.py sets each arm's precision keys.
