@@ -57,10 +57,9 @@ def main():
   args = parser.parse_args()
   fake_cpu_devices(8, memory_flags=False)
   # pylint: disable=import-outside-toplevel  (JAX starts after the device flags)
-  import jax
   import numpy as np
+  from arms import run_seed
 
-  import zerojax
   from zerojax import config as zc, data
   from zerojax.build import build
   from zerojax.testing import markdown_table
@@ -74,23 +73,11 @@ def main():
     config = zc.load_config(base, overrides(args, release, micro), num_devices=8)
     built = build(config)
     tokens, held_out = data.load_tokens(config.data, config.model.vocab_size, args.seq_len)
-    evaluate = zerojax.make_eval_step(built.plan, built.model.loss)
-    put = lambda t: data.global_batch({"tokens": t}, built.batch_sharding)
     for seed in args.seeds:
-      state = jax.block_until_ready(zerojax.init_state(
-          built.plan, built.model.init, built.tx, jax.random.key(seed), built.loss_scaling))
-      for step in range(args.steps):
-        state, metrics = built.train_step(
-            state, put(data.batch_at(tokens, step, args.batch, args.seq_len, seed)))
-        # One program with collectives in flight at a time: on a loaded host XLA:CPU's
-        # 8 device threads can otherwise starve each other's rendezvous (as train.py).
-        jax.block_until_ready(metrics)
-      assert not float(metrics["skipped"]), (arm, seed)
-      loss = np.mean([float(evaluate(state.params, put(data.batch_at(
-          held_out, i, args.batch, args.seq_len, 10_000)))["loss"])
-          for i in range(args.eval_batches)])
-      finals.setdefault(arm, []).append(float(loss))
-      print(f"{arm:20s} seed {seed}: held-out loss {loss:.4f}", flush=True)
+      run = run_seed(built, config, seed, tokens, held_out, eval_batches=args.eval_batches)
+      assert not run["skipped"], (arm, seed)
+      finals.setdefault(arm, []).append(run["final"])
+      print(f"{arm:20s} seed {seed}: held-out loss {run['final']:.4f}", flush=True)
 
   rows = []
   for ours, theirs in [p for p in PAIRS if set(p) <= set(finals)]:

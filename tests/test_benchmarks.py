@@ -48,3 +48,28 @@ def test_gpu_benchmark_cpu_mode(tmp_path):
   assert run["compiled_bytes"] >= 8 * run["params"]
   assert math.isfinite(run["loss_last"])
   assert "| 1b_bf16.py | full |" in p.stdout  # The table is printed.
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_quality_benchmark_tiny(tmp_path):
+  out = tmp_path / "quality.json"
+  env = dict(os.environ, PYTHON=sys.executable)
+  # One CPU device, LLVM at -O0 as conftest's: compiling is most of this run (~2x faster).
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  # Its CPU mode (tiny size), two steps, the reference and one arm, two seeds.
+  p = subprocess.run(
+      ["bash", os.path.join(ROOT, "benchmarks", "gpu_quality.sh"), "--steps", "2",
+       "--arms", "nearest", "--evals", "1", "--eval_batches", "1", "--out", str(out)],
+      capture_output=True, text=True, timeout=150, env=env, cwd=ROOT, check=False)
+  assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+  res = json.loads(out.read_text())
+  assert res["size"] == "tiny" and res["steps"] == 2
+  assert set(res["runs"]) == {"fp32", "nearest"}
+  ref, ours = ([r["final"] for r in res["runs"][a]] for a in ("fp32", "nearest"))
+  assert len(ref) == len(ours) == 2 and all(_positive(x) for x in ref + ours)
+  # Same seed, same init and data: the arms stay close; the seeds' data differ.
+  assert all(abs(a - b) < 0.02 for a, b in zip(ref, ours)) and ref[0] != ref[1]
+  diff = res["summary"]["nearest"]["diff_nats"]
+  assert math.isclose(diff, (ours[0] - ref[0] + ours[1] - ref[1]) / 2, abs_tol=1e-9)
+  assert (tmp_path / "quality.png").stat().st_size > 10_000
+  assert "| nearest |" in p.stdout
