@@ -14,8 +14,8 @@ measurement, an out-of-memory or a hang costs one row, not the run):
    device's peak (H200: 4.8 TB/s HBM3e). The same process measures the CPU's reference
    peaks in `--cpu` mode (no datasheet: a bf16 matmul and an elementwise stream).
 2. **MFU** of `configs/1b_bf16.py` and `configs/8b_bf16.py` at ZeRO stage 3 with each
-   remat policy (full, dots, none): built with `zerojax.build.build` as train.py builds
-   it, random tokens, `--steps` timed steps after a warm-up step. MFU = the model's
+   remat policy of `REMATS` (full, by-name ones), built as train.py builds it
+   (`zerojax.build.build`), random tokens, `--steps` timed steps after a warm-up. MFU = the model's
    `flops_per_token` x tokens/s / (peak FLOP/s x devices) (`zerojax.metrics.peak_flops`:
    H200 989 TFLOP/s dense bf16; in `--cpu` mode the measured matmul rate).
 3. **memory** of each of those steps per device: compiled (arguments + outputs - aliased +
@@ -47,7 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # This checkout's zerojax, as the children get it (PYTHONPATH).
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CONFIGS = {"1b": "configs/1b_bf16.py", "8b": "configs/8b_bf16.py"}
-REMATS = ("full", "dots", "none")
+# Remat policies per config, most promising first after 'full' (zerojax/models/remat.py).
+# The 8B: two by-name ones, which the planner fits on one H200 (120.6 GiB at 4 sequences).
+REMATS = {"1b": ("full", "save_dot_with_context_except_mlp", "save_qkv_proj",
+                 "save_dot_except_mlp", "minimal", "save_attention_out"),
+          "8b": ("full", "save_dot_with_context_except_mlp", "save_qkv_proj")}
 # Peak memory bandwidth per device (vendor datasheets, bytes/s); MFU's peak FLOP/s is
 # zerojax.metrics.PEAK_FLOPS.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -71,7 +75,9 @@ def parse_args(argv=None):
   ap.add_argument("--cpu", action="store_true",
                   help="tiny shapes on CPU (default when no GPU is found)")
   ap.add_argument("--configs", default="1b,8b", help="comma list of " + ", ".join(CONFIGS))
-  ap.add_argument("--remat", default=",".join(REMATS), help="comma list of " + ", ".join(REMATS))
+  ap.add_argument("--remat", default="", help="comma list of policies for every config "
+                  "(default per config: " + "; ".join(f"{c}: {','.join(r)}"
+                                                      for c, r in REMATS.items()) + ")")
   ap.add_argument("--offload", default="8b",
                   help="comma list of configs also run with optimizer.offload=host (remat full)")
   ap.add_argument("--steps", type=int, default=0, help="timed steps (default GPU 4, CPU 2)")
@@ -451,14 +457,15 @@ def main(argv=None):
           flush=True)
     save()
   configs = [c for c in args.configs.split(",") if c]
-  remats = [r for r in args.remat.split(",") if r]
-  # The most informative first: full remat of every config, then the other policies,
-  # smallest config first (8B with 'dots' or 'none' is not expected to fit one GPU).
-  # Offload beside the first remat policy's run it is compared with.
+  remats = {c: [r for r in args.remat.split(",") if r] or REMATS[c] for c in configs}
+  # Most informative first: each config's policies in turn, smallest config first (a
+  # budget spent early cuts the least promising); offload after the second round.
   offload = [c for c in args.offload.split(",") if c in configs]
-  order = ([(c, r, ()) for r in remats[:1] for c in configs]
-           + [(c, remats[0], ("optimizer.offload=host",)) for c in offload if remats]
-           + [(c, r, ()) for c in configs for r in remats[1:]])
+  rounds = [[(c, remats[c][i], ()) for c in configs if i < len(remats[c])]
+            for i in range(max(len(r) for r in remats.values()))]
+  order = (rounds[0] + (rounds[1] if len(rounds) > 1 else [])
+           + [(c, remats[c][0], ("optimizer.offload=host",)) for c in offload]
+           + [x for r in rounds[2:] for x in r])
   for cfg, remat, extra in order:
     name = f"{cfg}/{remat}" + ("+offload" if extra else "")
     if left() < min(30, cap[cfg] / 2):

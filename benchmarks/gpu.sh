@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-GPU benchmark (benchmarks/gpu.py): MFU of configs/1b_bf16.py and configs/8b_bf16.py
-# at ZeRO stage 3 (remat full / dots / none), the 8B with its optimizer state offloaded
+# at ZeRO stage 3 per remat policy (full; by name: 1B five, 8B two), the 8B with its optimizer state offloaded
 # to host memory (optimizer.offload=host: device peak and step time beside the run
 # without), the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
 # per-device memory against the planner.

@@ -125,6 +125,7 @@ BAD_FILES = [
     ("c.optimizer.learning_rate = 0", "optimizer.learning_rate", "> 0"),
     ("c.model.name = 'mlp_lm'; c.model.context = 1000", "model.context", "train.seq_len"),
     ("c.model.context = 16", "model.context", "mlp_lm"),
+    ("c.model.name = 'mlp_lm'; c.model.remat = 'save_qkv_proj'", "model.remat", "by-name"),
     ("c.model.n_kv_heads = 3", "model.n_kv_heads", "divide"),
     ("c.data.eval_fraction = 0.9", "data.eval_fraction", "(0, 0.5]"),
     ("c.train.microbatches = 3", "train.global_batch_size", "microbatches"),

@@ -192,8 +192,13 @@ _ROWS = (
     Field("model.loss_chunk", 1024, "llama: sequence positions per loss chunk (fp32 logits).",
           range=POSITIVE),
     Field("model.context", 8, "mlp_lm: previous tokens each position mixes in.", range=AT_LEAST_1),
-    Field("model.remat", "full", "Backward-pass recompute per layer (dots: keep matmul outputs).",
-          choices=("none", "full", "dots")),
+    Field("model.remat", "full", "Backward-pass recompute per layer: none, full (keep layer "
+          "inputs), dots (keep matmul outputs); llama also by name (zerojax/models/remat.py): "
+          "minimal, save_dot_with_context_except_mlp, save_dot_except_mlp, save_qkv_proj, "
+          "save_attention_out.", choices=("none", "full", "dots", "minimal",
+                                          "save_dot_with_context_except_mlp",
+                                          "save_dot_except_mlp", "save_qkv_proj",
+                                          "save_attention_out")),
     # data
     Field("data.name", "stdlib", "stdlib (Python source as bytes, no download), tokens "
           "(.bin/.npy), text (.txt/.jsonl) or sft (instruction / chat .jsonl, zerojax/sft.py).",

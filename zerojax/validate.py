@@ -82,6 +82,11 @@ def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
                           f"this model is {m.name!r}.", key=f"model.{key}",
                           source=source_of(source, f"model.{key}"),
                           fix=f"remove it, or set model.name={family!r}")
+  # mlp_lm.REMAT_POLICIES' keys (not imported: validation runs without JAX).
+  if m.name == "mlp_lm" and m.remat not in ("none", "full", "dots"):
+    raise ConfigError(f"is {m.remat!r}, a by-name policy of the Llama block; mlp_lm has "
+                      "none, full and dots.", key="model.remat",
+                      source=source_of(source, "model.remat"), fix="use model.remat='dots'")
   if m.name == "llama":
     where = source_of(source, "model.n_heads", "model.n_kv_heads", "model.d_model")
     if m.n_heads % m.n_kv_heads:

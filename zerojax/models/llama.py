@@ -32,6 +32,7 @@ from flax.core import FrozenDict
 
 from zerojax.models.attention import attention_kernel, blocked_attention
 from zerojax.models.chunked_loss import chunked_nll
+from zerojax.models.remat import POLICIES, named, policy
 from zerojax.release import LayeredLoss
 from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
@@ -40,14 +41,6 @@ Params = Any
 # {leaf path: (shape, logical axis names)}: what `param_shapes` returns.
 ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
 
-# What the backward pass keeps of each layer. Any policy but "none" recomputes a stage-3
-# layer's gathered weights instead of saving them (they are not matmul outputs); "none"
-# saves everything, the gathered weights of every layer included.
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 ATTENTION = ("auto", "blocked", "dot_product")
 # The config's flat RoPE-scaling keys (zerojax/schema.py) -> the keys of
 # `LlamaConfig.rope_scaling` (Hugging Face's names). The only keys whose names differ.
@@ -83,8 +76,9 @@ class LlamaConfig:
       'auto' is whichever `attention_kernel` picks for the backend.
     attention_block: query positions per block for 'blocked'.
     loss_chunk: sequence positions per chunk of the head + loss.
-    remat: per-layer rematerialization, a key of `REMAT_POLICIES`: 'none', 'full'
-      (save only layer inputs) or 'dots' (also save matmul outputs without batch dims).
+    remat: per-layer rematerialization, one of `zerojax.models.remat.POLICIES`: 'none',
+      'full' (save only layer inputs), 'dots' (also matmul outputs without batch dims)
+      or a set of named values ('minimal', 'save_qkv_proj', ...).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -111,7 +105,7 @@ class LlamaConfig:
          f"n_heads {self.n_heads}"),
         (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
         (self.attention in ATTENTION, f"attention must be one of {ATTENTION}"),
-        (self.remat in REMAT_POLICIES, f"remat must be one of {tuple(REMAT_POLICIES)}"),
+        (self.remat in POLICIES, f"remat must be one of {POLICIES}"),
         (min(self.attention_block, self.loss_chunk) > 0,
          "attention_block and loss_chunk must be positive"),
         (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS,
@@ -242,9 +236,10 @@ class Attention(nn.Module):
     c = self.config
     B, T, _ = x.shape
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
-    q = _dense(c, H * Dh, ("embed", "heads"), "q_proj")(x).reshape(B, T, H, Dh)
-    k = _dense(c, K * Dh, ("embed", "kv_heads"), "k_proj")(x).reshape(B, T, K, Dh)
-    v = _dense(c, K * Dh, ("embed", "kv_heads"), "v_proj")(x).reshape(B, T, K, Dh)
+    proj = lambda n, name, axis: named(_dense(c, n * Dh, ("embed", axis), name)(x), name)
+    q = proj(H, "q_proj", "heads").reshape(B, T, H, Dh)
+    k = proj(K, "k_proj", "kv_heads").reshape(B, T, K, Dh)
+    v = proj(K, "v_proj", "kv_heads").reshape(B, T, K, Dh)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
@@ -257,7 +252,8 @@ class Attention(nn.Module):
                                          implementation="cudnn" if cudnn else "xla")
     else:
       out = blocked_attention(q, k, v, c.attention_block, segment_ids)
-    return _dense(c, c.d_model, ("heads", "embed"), "o_proj")(out.reshape(B, T, H * Dh))
+    out = named(out.reshape(B, T, H * Dh), "attention_out")
+    return named(_dense(c, c.d_model, ("heads", "embed"), "o_proj")(out), "o_proj")
 
 
 class Mlp(nn.Module):
@@ -268,9 +264,10 @@ class Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """[B, T, D] -> [B, T, D], compute dtype."""
     c = self.config
-    gate = _dense(c, c.d_ff, ("embed", "mlp"), "gate_proj")(x)
-    up = _dense(c, c.d_ff, ("embed", "mlp"), "up_proj")(x)
-    return _dense(c, c.d_model, ("mlp", "embed"), "down_proj")(jax.nn.silu(gate) * up)
+    dense = lambda h, width, axes, name: named(_dense(c, width, axes, name)(h), name)
+    gate = dense(x, c.d_ff, ("embed", "mlp"), "gate_proj")
+    up = dense(x, c.d_ff, ("embed", "mlp"), "up_proj")
+    return dense(jax.nn.silu(gate) * up, c.d_model, ("mlp", "embed"), "down_proj")
 
 
 class Block(nn.Module):
@@ -308,7 +305,7 @@ class Llama(nn.Module):
     # recomputes the gather in the backward pass instead of saving the weights.
     block = nn.map_variables(Block, "params", trans_in_fn=gather, mutable=True)
     if c.remat != "none":
-      block = nn.remat(block, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
+      block = nn.remat(block, policy=policy(c.remat), prevent_cse=False)
     self.layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})(c)
