@@ -1,6 +1,6 @@
 """Training quality with gradient release: the same token budget, 3 seeds, held-out loss.
 
-Four arms of the same run (mlp_lm on the stdlib bytes, bf16 params, Kahan AdamW with
+Four arms of the same run (mlp_lm, or the Llama with `--model llama`, on the stdlib bytes, bf16 params, Kahan AdamW with
 bf16 moments, stage 3 on 8 fake CPU devices, no clipping), built by `zerojax.build`
 from the config as train.py builds them:
 
@@ -30,7 +30,7 @@ PAIRS = (("release", "plain"), ("release_accumulate", "accumulate"))
 
 def overrides(args, release: bool, microbatches: int) -> list[str]:
   return [
-      "model.name=mlp_lm", f"model.n_layers={args.layers}", "model.d_model=128",
+      f"model.name={args.model}", f"model.n_layers={args.layers}", "model.d_model=128",
       "model.d_ff=384", f"train.seq_len={args.seq_len}", f"train.steps={args.steps}",
       f"train.global_batch_size={args.batch}", f"train.microbatches={microbatches}",
       "optimizer.grad_clip=0", f"optimizer.warmup_steps={args.steps // 10}",
@@ -42,6 +42,7 @@ def overrides(args, release: bool, microbatches: int) -> list[str]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="mlp_lm", choices=("mlp_lm", "llama"))
   parser.add_argument("--steps", type=int, default=150)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--microbatches", type=int, default=4)
