@@ -1,8 +1,8 @@
 """Training quality with gradient release: the same token budget, 3 seeds, held-out loss.
 
-Four arms of the same run (mlp_lm, or the Llama with `--model llama`, on the stdlib bytes, bf16 params, Kahan AdamW with
-bf16 moments, stage 3 on 8 fake CPU devices, no clipping), built by `zerojax.build`
-from the config as train.py builds them:
+Four arms of the same run (mlp_lm, or the Llama with `--model llama`, on the stdlib
+bytes, bf16 params, Kahan AdamW with bf16 moments, stage 3 on 8 fake CPU devices, no
+clipping), built by `zerojax.build` from the config as train.py builds them:
 
 - `accumulate`: the normal step, gradient accumulation over `--microbatches`;
 - `release_accumulate`: gradient release with optimizer accumulation over as many;
