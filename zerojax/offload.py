@@ -16,13 +16,14 @@ keeps host and device in the same RAM and lowers them to nothing, so on CPU an
 offloaded step computes exactly what the normal step computes.
 """
 
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from zerojax import zero
+from zerojax import xla_dump, zero
 
 PyTree = Any
 
@@ -89,11 +90,6 @@ def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
   return run
 
 
-# Bytes per element of the HLO element types a train state holds.
-_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-              "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-
-
 def host_parameter_bytes(hlo_text: str) -> int:
   """Bytes of a compiled module's entry parameters laid out in host memory (memory space
   S(5) in its `entry_computation_layout`), per device.
@@ -103,12 +99,6 @@ def host_parameter_bytes(hlo_text: str) -> int:
   """
   start = hlo_text.index("entry_computation_layout={")
   params = hlo_text[start:hlo_text.index(")->", start)]
-  return sum(_HLO_BYTES[t] * _product(dims) for t, dims in re.findall(
-      r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}", params))
+  return sum(xla_dump.itemsize(t) * math.prod(int(d) for d in dims.split(",") if d)
+             for t, dims in re.findall(r"(\w+)\[([\d,]*)\]\{[^}]*S\(5\)[^}]*\}", params))
 
-
-def _product(dims: str) -> int:
-  n = 1
-  for d in filter(None, dims.split(",")):
-    n *= int(d)
-  return n

@@ -12,6 +12,12 @@ import os
 import re
 
 
+def itemsize(dtype: str) -> int:
+  """Bytes per element of an HLO type name: f32 -> 4, bf16 -> 2, pred -> 1."""
+  bits = re.search(r"\d+", dtype)
+  return max(1, int(bits.group()) // 8) if bits else 1
+
+
 def step_files(dump_dir: str) -> str | None:
   """The path prefix of the optimized step's files in an XLA dump (add
   '-buffer-assignment.txt', '-live-range.txt', ...), or None if there is no step."""

@@ -21,6 +21,8 @@ import re
 import tempfile
 from typing import NamedTuple
 
+from zerojax import xla_dump
+
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                "collective-permute")
 
@@ -84,15 +86,9 @@ class Collective(NamedTuple):
     return self.result_bytes * scale
 
 
-def _itemsize(dtype: str) -> int:
-  """Bytes per element of an HLO type name: f32 -> 4, bf16 -> 2, pred -> 1."""
-  bits = re.search(r"\d+", dtype)
-  return max(1, int(bits.group()) // 8) if bits else 1
-
-
 def nbytes(shapes: tuple[Shape, ...]) -> int:
   """Bytes of (dtype, shape) pairs, e.g. a `Collective`'s `results` or `operands`."""
-  return sum(math.prod(dims) * _itemsize(dtype) for dtype, dims in shapes)
+  return sum(math.prod(dims) * xla_dump.itemsize(dtype) for dtype, dims in shapes)
 
 
 def _shapes(hlo_type: str) -> tuple[Shape, ...]:
