@@ -13,6 +13,7 @@ fits one device.
 """
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,9 @@ def greedy(logits_fn: LogitsFn, params: Any, tokens: jax.Array, lengths: jax.Arr
   return jax.lax.fori_loop(0, steps, body, tokens)
 
 
+_greedy_jit = jax.jit(greedy, static_argnums=0, static_argnames="steps")
+
+
 def prompts_and_answers(examples: sft.Examples, count: int
                         ) -> list[tuple[np.ndarray, np.ndarray]]:
   """(prompt, answer) of the first `count` examples: the tokens before the first trained
@@ -76,7 +80,9 @@ def exact_match(logits_fn: LogitsFn, params: Any, examples: sft.Examples, count:
   pairs = prompts_and_answers(examples, count)
   steps = max(len(a) for _, a in pairs)
   width = max(len(p) for p, _ in pairs) + steps
-  run = jax.jit(lambda params, t, n: greedy(logits_fn, params, t, n, steps))
+  # One jitted decoder per (model, answer length): a lambda made here would compile again
+  # at every evaluation of a training run.
+  run = functools.partial(_greedy_jit, logits_fn, steps=steps)
   right = 0
   for start in range(0, len(pairs), batch_size):
     chunk = pairs[start:start + batch_size]
