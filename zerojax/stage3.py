@@ -100,29 +100,49 @@ def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> ja
   return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
 
 
-def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any) -> PyTree:
+def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any, policy: Any = None) -> PyTree:
   """`carry = fn(gather(params[i]), carry, *args)` for each layer i, rematerialized.
 
-  The layer loop of a stage-3 model with full remat (each layer's input is saved, its
-  forward recomputed in the backward pass, its weights gathered again there), as
-  `lax.scan` under `jax.checkpoint(policy=nothing_saveable)` would run it, with one
-  difference in memory: the backward pass writes layer i's gradient into the buffer
-  of the stacked `params` themselves, slice i, once layer i is done with them. The
-  train step differentiates with respect to fp32 params (so that every reduction is
-  fp32); JAX's own scan transpose would keep that fp32 copy of the model alive next to
-  a second, zero-initialised fp32 array for the gradients (4 bytes per param more
-  than needed). Here the two share one buffer: XLA updates it in place.
+  The layer loop of a stage-3 model under remat (each layer's input and what `policy`
+  saves are kept, the rest of its forward recomputed in the backward pass, its weights
+  gathered again there), as `lax.scan` under `jax.checkpoint(policy=policy)` would run
+  it, with one difference in memory: the backward pass writes layer i's gradient into
+  the buffer of the stacked `params` themselves, slice i, once layer i is done with
+  them. The train step differentiates with respect to fp32 params (so that every
+  reduction is fp32); JAX's own scan transpose would keep that fp32 copy of the model
+  alive next to a second, zero-initialised fp32 array for the gradients (4 bytes per
+  param more than needed). Here the two share one buffer: XLA updates it in place.
 
   Args:
     fn: `(layer_params, carry, *args) -> carry`, one layer (plain arrays: gathered).
     params: the stacked layer params (leading axis: layers); leaves may be `Sharded`.
     carry: the layer input (e.g. the residual stream), any pytree.
     *args: other inputs every layer sees (e.g. rotary tables), differentiable.
+    policy: a `jax.checkpoint` policy, what each layer saves besides its input (e.g.
+      `zerojax.models.remat.policy(name)`); None saves nothing else (full remat).
 
   Returns:
     The last layer's output carry.
   """
-  return _scan_layers(fn, params, carry, args)
+  return _scan_layers(fn, policy or jax.checkpoint_policies.nothing_saveable, params, carry,
+                      args)
+
+
+def _layer_residuals(fn, policy, p, c, args):
+  """One layer's output and the residuals of its vjp under remat `policy`: (output,
+  residual leaves, their treedef, indices of the leaves to save per layer).
+
+  Which residuals a layer needs is JAX's to decide (its inputs, what the policy saves);
+  those that are the layer's own params or the shared `args` are not saved per layer:
+  the backward pass passes in the params from the stack and `args` as given.
+  """
+  layer = jax.checkpoint(lambda p, c, a: fn(gather(p), c, *a), policy=policy,
+                         prevent_cse=False)
+  out, vjp = jax.vjp(layer, p, c, args)
+  leaves, tree = jax.tree.flatten(vjp)
+  given = jax.tree.leaves((p, args))
+  saved = [k for k, x in enumerate(leaves) if not any(x is y for y in given)]
+  return out, leaves, tree, saved
 
 
 def _layer(tree: PyTree, i: jax.Array) -> PyTree:
@@ -143,22 +163,23 @@ def from_bits(bits, like):
   return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan_layers(fn, params, carry, args):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scan_layers(fn, policy, params, carry, args):
   return jax.lax.scan(lambda c, p: (fn(gather(p), c, *args), None), carry, params)[0]
 
 
-def _scan_layers_fwd(fn, params, carry, args):
-  # Saves each layer's input carry, as full remat does; `params` is an input already.
-  out, inputs = jax.lax.scan(
-      lambda c, p: (fn(gather(p), c, *args), jax.tree.map(to_bits, c)), carry, params)
-  return out, (params, inputs, args)
+def _scan_layers_fwd(fn, policy, params, carry, args):
+  def body(c, p):
+    out, leaves, _, saved = _layer_residuals(fn, policy, p, c, args)
+    return out, [to_bits(leaves[k]) for k in saved]
+
+  out, stacked = jax.lax.scan(body, carry, params)
+  return out, (params, stacked, args)
 
 
-def _scan_layers_bwd(fn, residuals, ct):
-  params, inputs, args = residuals
+def _scan_layers_bwd(fn, policy, residuals, ct):
+  params, stacked, args = residuals
   layers = jax.tree.leaves(params)[0].shape[0]
-  layer_fn = lambda p, c, a: fn(gather(p), c, *a)
   put = lambda tree, new, i: jax.tree.map(
       lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), i, 0), tree, new)
 
@@ -172,9 +193,14 @@ def _scan_layers_bwd(fn, residuals, ct):
     # to order the two, would copy the whole stack every layer. At k = 0 the index is
     # clamped to the last layer, whose params `pending` holds unchanged.
     grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
-    x = jax.tree.map(from_bits, _layer(inputs, i), ct)
-    _, vjp = jax.vjp(layer_fn, _layer(grads, i), x, args)
-    pending, ct, d_args = vjp(ct)
+    p = _layer(grads, i)
+    # The layer's vjp, its saved residuals put back in: tracing it again gives the
+    # residuals' structure; its forward is dead code (XLA removes it).
+    _, leaves, tree, saved = _layer_residuals(fn, policy, p, jax.tree.map(jnp.zeros_like, ct),
+                                              args)
+    for k_saved, bits in zip(saved, _layer(stacked, i), strict=True):
+      leaves[k_saved] = from_bits(bits, leaves[k_saved])
+    pending, ct, d_args = jax.tree.unflatten(tree, leaves)(ct)
     ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, _floats(d_args))
     return ct, grads, pending, ct_args
 

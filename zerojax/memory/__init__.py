@@ -260,7 +260,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
 
   behaviour = s.behaviour
   local = counts.local if behaviour.shards_opt_state else P  # Sharded state per device.
-  full = remat == "full" and s.model == "llama"  # stage3.scan_layers: fp32 params = grads.
+  # stage3.scan_layers (Llama under any remat): the fp32 params become the gradients.
+  full = remat != "none" and s.model == "llama"
   comp = {"params": pb * (counts.local if behaviour.shards_params else P),
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
@@ -274,8 +275,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
     streamed = (moments * sb + rule) * moved
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
-  # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; other remat
-  # policies keep a second copy). Otherwise the scan's layer gradients come out stacked in
+  # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; remat 'none'
+  # keeps a second copy). Otherwise the scan's layer gradients come out stacked in
   # the param dtype, then each leaf is upcast and reduced: scattered per microbatch, or
   # once after the whole-gradient accumulation (scattered or all-reduced).
   in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
@@ -310,8 +311,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   if s.model == "mlp_lm":
     attention = 0
   mlp = n * F * (5 * cb + 4) + 5 * n * D * 4
-  working = {"dots": attention + 2 * n * width * cb,
-             "none": n * (2 * F * cb + 12 * D * 4)}.get(remat, max(mlp, attention))
+  # Any remat but 'none' runs `stage3.scan_layers` (a layer recomputed from what it saved).
+  working = n * (2 * F * cb + 12 * D * 4) if remat == "none" else max(mlp, attention)
   loss = b * min(s.loss_chunk, T) * V * 4  # A chunk of fp32 logits (or their gradient).
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).

@@ -323,12 +323,13 @@ class Llama(nn.Module):
     c = self.config
     x = self.embed_tokens(tokens)
     cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
-    if c.remat == "full" and not self.is_initializing():
+    if c.remat != "none" and not self.is_initializing():
       # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
       # whose backward pass writes each layer's gradient over the (fp32) params it was
       # given instead of into a second whole-model array: 4 bytes per param less.
       return scan_layers(functools.partial(apply_block, c),
-                         self.variables["params"]["layers"], x, cos, sin, segment_ids)
+                         self.variables["params"]["layers"], x, cos, sin, segment_ids,
+                         policy=policy(c.remat))
     x, _ = self.layers(x, (cos, sin), segment_ids)
     return x
 
