@@ -43,15 +43,19 @@ import sys
 import time
 import traceback
 
+from gpu_report import BANDWIDTH_GOAL, GIB, PLANNER_GOAL, derive, report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # This checkout's zerojax, as the children get it (PYTHONPATH).
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 CONFIGS = {"1b": "configs/1b_bf16.py", "8b": "configs/8b_bf16.py"}
 # Remat policies per config, most promising first after 'full' (zerojax/models/remat.py).
-# The 8B: two by-name ones, which the planner fits on one H200 (120.6 GiB at 4 sequences).
+# The 8B's planner bytes on one H200 at 4 sequences: 94.6-96.8 GiB for these four, 120.8
+# for 'minimal' (under gpu.sh's 0.95 of 141 GB, 124.9 GiB, narrowly: last).
 REMATS = {"1b": ("full", "save_dot_with_context_except_mlp", "save_qkv_proj",
                  "save_dot_except_mlp", "minimal", "save_attention_out"),
-          "8b": ("full", "save_dot_with_context_except_mlp", "save_qkv_proj")}
+          "8b": ("full", "save_dot_with_context_except_mlp", "save_dot_except_mlp",
+                 "save_qkv_proj", "minimal")}
 # Peak memory bandwidth per device (vendor datasheets, bytes/s); MFU's peak FLOP/s is
 # zerojax.metrics.PEAK_FLOPS.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -64,10 +68,6 @@ CPU_SHAPES = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
 # Sequences per step on one GPU: the configs' 8 x 4096 for 1B; 4 for 8B, whose Kahan
 # AdamW state (8 B/param) and fp32 gradients (4 B/param) already take ~96 GB.
 GPU_BATCH = {"1b": 8, "8b": 4}
-# Goals proposed here (the issue sets none for these): the update streams at >= 80% of
-# the memory bandwidth; the planner is within 10% of the compiled per-device memory.
-BANDWIDTH_GOAL, PLANNER_GOAL = 0.8, 0.10
-GIB = 2 ** 30
 
 
 def parse_args(argv=None):
@@ -225,13 +225,17 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   import zerojax  # pylint: disable=import-outside-toplevel
-  from zerojax import build  # pylint: disable=import-outside-toplevel
+  from zerojax import build, xla_flags  # pylint: disable=import-outside-toplevel
   from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
 
-  info = _device_info()
   overrides = ["zero.stage=3", f"model.remat={remat}"] + (CPU_SHAPES if cpu else [])
   batch = batch or (0 if cpu else GPU_BATCH[cfg])
   overrides += ([f"train.global_batch_size={batch}"] if batch else []) + list(extra)
+  # train.py's XLA flags on a GPU (zerojax.xla_flags), set before the backend starts.
+  out["xla_profile"] = xla_flags.apply_gpu_profile(
+      load_config(os.path.join(ROOT, CONFIGS[cfg]), overrides))
+  out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  info = _device_info()
   config = load_config(os.path.join(ROOT, CONFIGS[cfg]), overrides,
                        num_devices=jax.device_count())
   t = config.train
@@ -340,85 +344,6 @@ def spawn(spec: dict, timeout: float, cpu: bool) -> dict:
   return out
 
 
-def derive(res: dict) -> None:
-  """MFU, bandwidth fraction and planner ratios from the raw child results (in place)."""
-  bw = res.get("bandwidth") or {}
-  info = bw.get("info") or next((r["info"] for r in res["mfu"] if r.get("info")), {})
-  res["device"] = info
-  cpu = res["cpu"]
-  peak_flops = bw.get("measured_matmul_flops") if cpu else info.get("peak_flops")
-  peak_bw = bw.get("measured_stream_bandwidth") if cpu else info.get("peak_bandwidth")
-  res["peaks"] = dict(
-      flops=peak_flops, bandwidth=peak_bw,
-      source="measured on this CPU (bf16 1024^3 matmul; f32 elementwise stream)" if cpu
-      else "datasheet (zerojax.metrics.PEAK_FLOPS, PEAK_BANDWIDTH here)")
-  if bw.get("bytes_per_s") and peak_bw:
-    bw["fraction_of_peak"] = bw["bytes_per_s"] / peak_bw
-    bw["goal"] = BANDWIDTH_GOAL
-    bw["met"] = bw["fraction_of_peak"] >= BANDWIDTH_GOAL
-  for r in res["mfu"]:
-    devices = (r.get("info") or {}).get("devices", 1)
-    if r.get("model_flops_per_s") and peak_flops:
-      r["mfu"] = r["model_flops_per_s"] / (peak_flops * devices)
-    if r.get("planner_bytes"):
-      r["compiled_over_planner"] = r["compiled_bytes"] / r["planner_bytes"]
-      if r.get("device_peak_bytes"):
-        r["device_peak_over_planner"] = r["device_peak_bytes"] / r["planner_bytes"]
-      r["planner_met"] = abs(r["compiled_over_planner"] - 1) <= PLANNER_GOAL
-
-
-def gib(b):
-  return "—" if b is None else f"{b / GIB:.2f}" if b >= 0.01 * GIB else f"{b / 2 ** 20:.1f} MiB"
-
-
-def report(res: dict) -> str:
-  """The markdown tables of a result dict."""
-  lines = []
-  d, pk = res["device"], res["peaks"]
-  fmt = lambda x, unit, scale: "—" if not x else f"{x / scale:,.1f} {unit}"
-  lines.append(f"Device: {d.get('device_kind') or d.get('platform')} x {d.get('devices')}, "
-               f"jax {d.get('jax')}; peak {fmt(pk['flops'], 'TFLOP/s', 1e12)}, "
-               f"{fmt(pk['bandwidth'], 'GB/s', 1e9)} ({pk['source']}).\n")
-  bw = res.get("bandwidth")
-  if bw:
-    lines += ["| update | params | bytes/param | ms/update | achieved GB/s | of peak "
-              "| goal | met | XLA bytes accessed / counted |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    if bw.get("bytes_per_s"):
-      frac, xla = bw.get("fraction_of_peak"), bw.get("xla_bytes_accessed")
-      cells = ["bf16 Kahan AdamW, bf16 state, fp32 grads", f"{bw['params'] / 1e6:,.1f}M",
-               f"{bw['bytes_per_param']:.0f}", f"{bw['seconds'] * 1e3:.2f}",
-               f"{bw['bytes_per_s'] / 1e9:,.1f}", "—" if frac is None else f"{frac:.1%}",
-               f"≥ {BANDWIDTH_GOAL:.0%}",
-               "—" if frac is None else ("met" if bw["met"] else "**missed**"),
-               "—" if not xla else f"{xla / bw['bytes']:.2f}"]
-      lines.append("| " + " | ".join(cells) + " |")
-    else:
-      lines.append(f"| bf16 Kahan AdamW | {bw.get('status')}: {bw.get('error', '')[:120]} "
-                   "| | | | | | | |")
-    lines.append("")
-  lines += ["| config | remat | batch x seq | params | status | ms/step | tokens/s | MFU "
-            "| compiled GiB | device peak GiB | planner GiB | compiled / planner |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-  for r in res["mfu"]:
-    ok = r.get("status") == "ok"
-    ratio, mfu = r.get("compiled_over_planner"), r.get("mfu")
-    cells = [os.path.basename(r.get("config", "?")), r.get("remat", "?"),
-             f"{r['batch']} x {r['seq_len']}" if r.get("batch") else "—",
-             (f"{r['params'] / 1e9:.2f}B" if r["params"] >= 1e9 else f"{r['params'] / 1e6:.2f}M")
-             if r.get("params") else "—",
-             "ok" if ok else f"{r.get('status')}: {str(r.get('error', ''))[:100]}",
-             f"{r['step_s'] * 1e3:,.1f}" if ok else "—",
-             f"{r['tokens_per_s']:,.0f}" if ok else "—",
-             "—" if mfu is None else f"{mfu:.1%}",
-             gib(r.get("compiled_bytes")), gib(r.get("device_peak_bytes")),
-             gib(r.get("planner_bytes")), "—" if ratio is None else f"{ratio:.2f}"]
-    lines.append("| " + " | ".join(cells) + " |")
-  notes = {r.get("planner_note") for r in res["mfu"] if r.get("planner_note")}
-  lines += [f"\nplanner: {n}" for n in sorted(notes)]
-  return "\n".join(lines)
-
-
 def _interrupt(*_):
   raise KeyboardInterrupt
 
@@ -459,15 +384,18 @@ def main(argv=None):
   configs = [c for c in args.configs.split(",") if c]
   remats = {c: [r for r in args.remat.split(",") if r] or REMATS[c] for c in configs}
   # Most informative first: each config's policies in turn, smallest config first (a
-  # budget spent early cuts the least promising); offload after the second round.
-  offload = [c for c in args.offload.split(",") if c in configs]
-  rounds = [[(c, remats[c][i], ()) for c in configs if i < len(remats[c])]
+  # budget spent early cuts the least promising); after the second round, offload and
+  # (GPU) the largest config without train.py's XLA flags, what they are worth.
+  rounds = [[(c, remats[c][i], "", ()) for c in configs if i < len(remats[c])]
             for i in range(max(len(r) for r in remats.values()))]
-  order = (rounds[0] + (rounds[1] if len(rounds) > 1 else [])
-           + [(c, remats[c][0], ("optimizer.offload=host",)) for c in offload]
-           + [x for r in rounds[2:] for x in r])
-  for cfg, remat, extra in order:
-    name = f"{cfg}/{remat}" + ("+offload" if extra else "")
+  variants = [(c, remats[c][0], "offload", ("optimizer.offload=host",))
+              for c in args.offload.split(",") if c in configs]
+  variants += [] if args.cpu else [(configs[-1], remats[configs[-1]][0], "no XLA profile",
+                                    ("xla.gpu_profile=False",))]
+  order = rounds[0] + (rounds[1] if len(rounds) > 1 else []) + variants + [
+      x for r in rounds[2:] for x in r]
+  for cfg, remat, label, extra in order:
+    name = f"{cfg}/{remat}" + (f" + {label}" if label else "")
     if left() < min(30, cap[cfg] / 2):
       res["mfu"].append(dict(name=name, config=CONFIGS[cfg], remat=remat, status="skipped",
                              error=f"time budget of {args.budget:.0f} s spent"))
@@ -477,7 +405,7 @@ def main(argv=None):
                    batch=args.batch, set=args.set + list(extra)), min(cap[cfg], left()),
               args.cpu)
     r.setdefault("config", CONFIGS[cfg])
-    r["remat"] = remat + (" + offload" if extra else "")
+    r["remat"] = remat + (f" + {label}" if label else "")
     r["name"] = name
     res["mfu"].append(r)
     print(f"  {r.get('status')} in {r['wall_s']:.0f} s"

@@ -53,6 +53,7 @@ GROUPS: dict[str, str] = {
     "data": "Where tokens come from.",
     "logging": "Metrics writers beside <workdir>/metrics.jsonl (process 0 only).",
     "logging.wandb": "Weights & Biases (pip install -e \".[wandb]\"); off while project is \"\".",
+    "xla": "XLA compiler settings (python -m zerojax.xla_flags --config F prints them).",
 }
 
 _ROWS = (
@@ -239,6 +240,8 @@ _ROWS = (
     Field("logging.wandb.mode", "auto", "auto: online when the W&B server answers and an API key "
           "is set (or as $WANDB_MODE says), else offline (wandb sync uploads later).",
           choices=("auto", "online", "offline")),
+    Field("xla.gpu_profile", True, "On a GPU: zerojax.xla_flags' performance flags (latency-hiding "
+          "scheduler, pipelined collectives, ...); a flag set in XLA_FLAGS wins."),
 )
 FIELDS: dict[str, Field] = {f.key: f for f in _ROWS}
 

@@ -54,6 +54,7 @@ from zerojax import (
   sft,
   units,
   workdir,
+  xla_flags,
 )
 from zerojax.build import Built, build, compile_step
 from zerojax.config import (
@@ -126,7 +127,10 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   # process joins the others of a multi-host run (zerojax.distributed: config keys, env,
   # SLURM / Open MPI; none = one process; exit 4 if they do not all join in time), and
   # only then are the mesh and batch checked against the devices of all processes.
-  distributed.initialize(load_config(path, overrides).distributed)
+  unchecked = load_config(path, overrides)
+  # XLA reads its flags when JAX starts a backend, which joining the processes does.
+  xla_lines = xla_flags.apply_gpu_profile(unchecked)
+  distributed.initialize(unchecked.distributed)
   config = load_config(path, overrides, num_devices=jax.device_count())
   c = config
   report = metrics.Reporter(c.workdir)
@@ -158,6 +162,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
                                                  cache_dir=c.workdir)
   # Printed once the config and data are known good, so an error is the first thing shown.
   report(f"config {path} {' '.join(overrides)}\n{config}")
+  for line in xla_lines:
+    report(line)
   for line in data_lines:
     report(f"data: {line}")
   warning = hf.seq_len_warning(c.init_from, c.train.seq_len) if c.init_from else None

@@ -1,0 +1,94 @@
+"""The GPU flag profile: resolved against the XLA installed here, the user's flags first."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerojax import xla_flags
+from zerojax.config import load_config
+from zerojax.models import llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_8B = os.path.join(ROOT, "configs", "8b_bf16.py")
+
+
+@pytest.fixture(scope="module")
+def config_8b():
+  return load_config(CONFIG_8B, [])
+
+
+def test_known_flags_asks_the_installed_xla():
+  """A made-up flag is dropped (XLA would abort on it); real ones, GPU ones too, are kept."""
+  real = ["--xla_gpu_enable_latency_hiding_scheduler=true",
+          "--xla_gpu_all_gather_combine_threshold_bytes=1024"]
+  made_up = ["--xla_gpu_no_such_flag=true", "--xla_nor_this_one=1"]
+  assert xla_flags.known_flags([*made_up, *real]) == set(real)
+  assert xla_flags.known_flags(made_up) == set()
+
+
+def test_every_profile_entry_has_a_form_this_xla_knows(config_8b):
+  """Resolved against the installed XLA, each entry gets a form, and XLA takes them all."""
+  profile = xla_flags.gpu_profile(xla_flags.layer_bytes(config_8b))
+  forms = [f for entry in profile for f in entry.forms]
+  known = xla_flags.known_flags(forms)
+  chosen, lines = xla_flags.resolve(profile, "", known)
+  assert not [line for line in lines if "not in this XLA" in line], lines
+  assert set(chosen) <= known and len(chosen) == len(profile)
+
+
+def test_layer_bytes_is_one_layer_in_float32(config_8b):
+  c = llama.LlamaConfig.from_keys(config_8b.model)
+  D, F, kv = c.d_model, c.d_ff, c.n_kv_heads * c.head_dim
+  per_layer = 2 * D * D + 2 * D * kv + 3 * D * F + 2 * D
+  assert xla_flags.layer_bytes(config_8b) == 4 * per_layer
+  assert per_layer * c.n_layers < llama.param_count(c)  # Embeddings and head are not layers.
+  threshold = xla_flags.gpu_profile(4 * per_layer)[-1].forms[0]
+  value = int(threshold.split("=")[1])
+  assert value >= 4 * per_layer and value < 8 * per_layer and math.log2(value).is_integer()
+
+
+def test_resolve_user_flags_win_and_old_forms_are_the_fallback():
+  profile = [xla_flags.Flag(("--new=A", "--old=true"), "why1"),
+             xla_flags.Flag(("--other=1",), "why2"),
+             xla_flags.Flag(("--gone=1",), "why3")]
+  chosen, lines = xla_flags.resolve(profile, "--old=false --unrelated=1", {"--new=A", "--other=1"})
+  assert chosen == ["--other=1"]  # The user set --old: the whole entry is theirs.
+  assert lines[0] == "  old: as XLA_FLAGS sets it" and "not in this XLA: --gone=1" in lines[2]
+  chosen, _ = xla_flags.resolve(profile, "", {"--old=true", "--other=1"})
+  assert chosen == ["--old=true", "--other=1"]  # An older XLA: its form.
+
+
+def test_apply_only_on_gpu_and_never_over_the_user(config_8b):
+  cpu = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_x=1"}
+  assert xla_flags.apply_gpu_profile(config_8b, cpu) == [] and cpu["XLA_FLAGS"] == "--xla_x=1"
+
+  gpu = {"JAX_PLATFORMS": "cuda",
+         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false",
+         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+  lines = xla_flags.apply_gpu_profile(config_8b, gpu)
+  flags = gpu["XLA_FLAGS"].split()
+  assert flags[0] == "--xla_gpu_enable_latency_hiding_scheduler=false"
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
+  assert "--xla_gpu_enable_pipelined_all_gather=true" in flags
+  assert gpu["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+  assert any("as XLA_FLAGS sets it" in line for line in lines)
+
+  off = load_config(CONFIG_8B, ["xla.gpu_profile=False"])
+  env = {"JAX_PLATFORMS": "cuda"}
+  assert xla_flags.apply_gpu_profile(off, env) == [] and "XLA_FLAGS" not in env
+
+
+def test_on_gpu_reads_jax_platforms():
+  assert xla_flags.on_gpu({"JAX_PLATFORMS": "cuda,cpu"})
+  assert xla_flags.on_gpu({"JAX_PLATFORMS": "gpu"})
+  assert not xla_flags.on_gpu({"JAX_PLATFORMS": "cpu"})
+
+
+def test_cli_prints_the_profile():
+  out = subprocess.run([sys.executable, "-m", "zerojax.xla_flags", "--config", CONFIG_8B],
+                       capture_output=True, text=True, check=True, cwd=ROOT).stdout
+  assert "--xla_gpu_enable_pipelined_reduce_scatter=true: stage 3" in out
+  assert out.strip().splitlines()[-1].startswith("XLA_FLAGS='--xla_gpu_enable_latency_hiding")

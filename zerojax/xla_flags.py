@@ -1,0 +1,187 @@
+"""XLA's GPU performance flags: the profile train.py applies on a GPU, and why.
+
+XLA reads `XLA_FLAGS` once, when JAX starts its first backend, and it aborts the process
+on a flag it does not know (`Unknown flags in XLA_FLAGS`). Flags come and go between
+XLA versions (the per-collective pipelining booleans replaced one
+`xla_gpu_enable_pipelined_collectives`; the while-loop double-buffering boolean became
+the `xla_gpu_enable_while_loop_unrolling` enum), so each entry of the profile lists its
+forms, newest first, and the first form the installed XLA parses is used: `known_flags`
+asks it, in a child process, before this process starts a backend.
+
+A flag the user already put in `XLA_FLAGS` (any value, any of its forms) wins over the
+profile, and so does `XLA_PYTHON_CLIENT_MEM_FRACTION`; `xla.gpu_profile=False` turns the
+profile off. What the profile chose is printed in the run's log.
+
+    python -m zerojax.xla_flags --config configs/8b_bf16.py   # the profile and why
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import NamedTuple
+
+# XLA's allocator takes 75% of a GPU by default; the rest sits unused by a training
+# step (the 8B step needs ~100 GB of an H200's 141). cuDNN and NCCL's own buffers live
+# in what remains, so not 1.0 (NVIDIA's JAX-Toolbox recommends 0.8-0.9 for that reason).
+MEMORY_FRACTION = "0.95"
+
+
+class Flag(NamedTuple):
+  """One profile entry: `forms` ("--name=value", newest XLA's first) and why it is set."""
+  forms: tuple[str, ...]
+  why: str
+
+
+def flag_name(flag: str) -> str:
+  """'--xla_foo=1' -> 'xla_foo'."""
+  return flag.lstrip("-").split("=", 1)[0]
+
+
+def layer_bytes(config) -> int:
+  """Bytes of one layer's parameters in float32 (the widest dtype the step reduces them
+  in): the leaves stacked under 'layers'; 0 for a model without a layer stack."""
+  from zerojax import models  # noqa: PLC0415 (keeps `import zerojax.xla_flags` light)
+
+  shapes = models.from_config(config).param_shapes()
+  return 4 * sum(math.prod(shape[1:]) for path, (shape, _) in shapes.items()
+                 if path[0] == "layers")
+
+
+def gpu_profile(layer_size: int) -> list[Flag]:
+  """The profile for a model whose layer holds `layer_size` bytes (`layer_bytes`).
+
+  Stage 3 gathers each layer's parameters in the layer loop and reduce-scatters its
+  gradients in the backward loop; stages 1-2 reduce-scatter gradients and all-gather
+  the updated parameters once a step. These flags let those collectives run under the
+  neighbouring layer's matmuls instead of between them.
+  """
+  flags = [
+      Flag(("--xla_gpu_enable_latency_hiding_scheduler=true",),
+           "schedules asynchronous collectives to overlap compute (XLA's default scheduler "
+           "starts each just before its use)"),
+      Flag(("--xla_gpu_enable_pipelined_all_gather=true",
+            "--xla_gpu_enable_pipelined_collectives=true"),
+           "stage 3: layer i+1's parameter gather is issued in layer i's loop iteration"),
+      Flag(("--xla_gpu_enable_pipelined_reduce_scatter=true",
+            "--xla_gpu_enable_pipelined_collectives=true"),
+           "stage 3: layer i's gradient reduce-scatter completes in iteration i-1 of the "
+           "backward loop"),
+      Flag(("--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_DOUBLE_BUFFER",
+            "--xla_gpu_enable_while_loop_double_buffering=true"),
+           "unrolls the layer loop by two, so a pipelined collective writes the buffer the "
+           "current iteration is not reading (no copy per layer)"),
+  ]
+  if layer_size:
+    # A power of two at least one layer's float32 bytes: each layer's gathers (and its
+    # gradient reductions) combine into one collective, never split mid-layer.
+    threshold = 1 << max(layer_size - 1, 1).bit_length()
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+      flags.append(Flag((f"--xla_gpu_{op}_combine_threshold_bytes={threshold}",),
+                        f"one layer's {op.replace('_', '-')}s ({layer_size / 2**20:.0f} MiB in "
+                        f"float32) combine into one collective"))
+  return flags
+
+
+def known_flags(flags: Iterable[str], python: str = sys.executable) -> set[str]:
+  """The subset of `flags` that the installed XLA parses.
+
+  Asks a child process (JAX on CPU, which parses every XLA flag, GPU ones included):
+  an unknown flag aborts it with the list of unknown ones, which are dropped, and the
+  rest are asked again.
+  """
+  pending = list(dict.fromkeys(flags))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  while pending:
+    env["XLA_FLAGS"] = " ".join(pending)
+    run = subprocess.run([python, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    if run.returncode == 0:
+      return set(pending)
+    unknown = re.search(r"Unknown flags? in XLA_FLAGS: (.*)", run.stderr)
+    if unknown is None:
+      raise RuntimeError(f"could not ask XLA which flags it knows:\n{run.stderr[-2000:]}")
+    pending = [f for f in pending if f not in unknown.group(1).split()]
+  return set()
+
+
+def resolve(profile: list[Flag], user_flags: str, known: set[str]) -> tuple[list[str], list[str]]:
+  """(flags to add, lines for the log): per entry, nothing if the user set any of its
+  forms' names, else its first known form (none known: a line says so)."""
+  users = {flag_name(f) for f in user_flags.split()}
+  chosen, lines = [], []
+  for entry in profile:
+    names = {flag_name(form) for form in entry.forms}
+    if names & users:
+      lines.append(f"  {' / '.join(sorted(names & users))}: as XLA_FLAGS sets it")
+      continue
+    form = next((f for f in entry.forms if f in known), None)
+    if form is None:
+      lines.append(f"  not in this XLA: {' / '.join(entry.forms)}")
+    elif form not in chosen:  # Two entries may fall back to one old flag.
+      chosen.append(form)
+      lines.append(f"  {form}: {entry.why}")
+  return chosen, lines
+
+
+def on_gpu(environ: Mapping[str, str] = os.environ) -> bool:
+  """Whether JAX will start on an NVIDIA GPU, decided before any backend starts.
+
+  JAX_PLATFORMS when set (fake CPU devices set it to cpu); else a CUDA plugin installed
+  and a driver present, which is what JAX's own platform choice would find.
+  """
+  platforms = environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return any(p in ("cuda", "gpu") for p in platforms.lower().split(","))
+  plugin = any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
+                         "jax_plugins.xla_cuda13"))
+  return plugin and os.path.exists("/dev/nvidiactl")
+
+
+def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,
+                      python: str = sys.executable) -> list[str]:
+  """Adds the profile's flags to `environ`'s XLA_FLAGS (and the memory fraction) when
+  `config.xla.gpu_profile` is on and JAX will run on a GPU; returns the log's lines.
+
+  Call before JAX starts a backend (train.py does, right after reading the config).
+  """
+  if not config.xla.gpu_profile or not on_gpu(environ):
+    return []
+  profile = gpu_profile(layer_bytes(config))
+  user = environ.get("XLA_FLAGS", "")
+  known = known_flags([f for entry in profile for f in entry.forms], python)
+  chosen, lines = resolve(profile, user, known)
+  environ["XLA_FLAGS"] = " ".join([*user.split(), *chosen])
+  lines.append("  XLA_PYTHON_CLIENT_MEM_FRACTION="
+               + environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION))
+  return ["xla: the GPU profile (zerojax.xla_flags; xla.gpu_profile=False turns it off):",
+          *lines]
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Prints the profile for a config, resolved against the installed XLA."""
+  from zerojax.config import load_config  # noqa: PLC0415
+
+  parser = argparse.ArgumentParser(prog="python -m zerojax.xla_flags", description=__doc__
+                                   .split("\n")[0])
+  parser.add_argument("--config", required=True, help="a config file (configs/*.py)")
+  args = parser.parse_args(argv)
+  config = load_config(args.config, [])
+  profile = gpu_profile(layer_bytes(config))
+  known = known_flags([f for entry in profile for f in entry.forms])
+  chosen, lines = resolve(profile, os.environ.get("XLA_FLAGS", ""), known)
+  print("\n".join(lines))
+  print(f"XLA_FLAGS='{' '.join(chosen)}'")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
