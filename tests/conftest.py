@@ -36,7 +36,19 @@ def child_environment(tmp_path_factory):
   flags = [f for f in os.environ["XLA_FLAGS"].split() if f != LLVM_O0]
   with pytest.MonkeyPatch.context() as env:
     env.setenv("XLA_FLAGS", " ".join(flags))
-    env.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("jax_cache")))
+    env.setenv("JAX_COMPILATION_CACHE_DIR", str(_cache_dir(tmp_path_factory)))
     env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     yield
+
+
+def _cache_dir(tmp_path_factory):
+  """The children's compilation cache: one folder for the session, shared by the
+  pytest-xdist workers (each worker's basetemp is a folder of the session's), so a
+  program one worker's children compiled is a cache hit for the other's."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    base = base.parent
+  path = base / "jax_cache"
+  path.mkdir(exist_ok=True)
+  return path

@@ -8,6 +8,7 @@ larger than the host's memory.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -134,14 +135,16 @@ def test_token_file_changed_while_training_exits_2(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
-  # configs/8b_bf16.py on one CPU device: 121.06 GiB compiled per device (measured). A
+  # configs/8b_bf16.py on one CPU device: ~122 GiB compiled per device (measured). A
   # --dry_run allocates nothing and is not checked (test_train's 70B dry run).
   if memory_report.host_memory_available() > 160 * 2**30:
     pytest.skip("this host has the memory to run 8B on its CPU: nothing to refuse")
   result = run(TRAIN, "--config", os.path.join(REPO, "configs", "8b_bf16.py"), devices=0,
                timeout=300)
-  assert_one_error(result, "the step needs 121.06 GiB of host memory", "available",
-                   "the memory plan above")
+  err = assert_one_error(result, "GiB of host memory", "available", "the memory plan above")
+  needs, has = re.search(r"the step needs ([\d.]+) GiB of host memory .* ([\d.]+) GiB available",
+                         err).groups()
+  assert 100 < float(needs) < 140 and float(has) < float(needs), err
   assert "verdict: does NOT fit" in result.stdout and "changes that make it fit" in result.stdout
 
 
