@@ -21,7 +21,7 @@ per-device bytes of every component of a train step, in two views.
 The temporaries are calibrated against XLA:CPU with `devices.CPU_MEMORY_FLAGS` (the only
 compiler this project can check; `--compile` shows it beside the estimate): the total
 within 2% for the 8B and 70B configs, 4-7% low for the 1B (its stage-2 layer working
-set is overestimated), 5% high for the tiny one (one exception: the tiny config with
+set is overestimated), 3% low for the tiny one (one exception: the tiny config with
 remat 'full', 0.79, whose small layers XLA keeps whole). What is XLA:CPU's own:
 collectives run in fp32, so a gathered layer costs 4 B/param (a GPU gathers bf16);
 at stages 0-2 it keeps a copy of the embedding. At stages 0-2 the scan's layer
