@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import optim
+from zerojax import optim, update_rules, updates
 from zerojax.models.mlp_lm import MlpLM
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -100,7 +100,7 @@ def test_weight_decay_acts_through_kahan():
 def test_kahan_lands_exactly_and_keeps_the_remainder():
   p = jnp.asarray([1.0, -0.5, 0.03125], BF16)
   u = jnp.asarray([1e-3, -1e-4, 3e-6], F32)
-  tx = optim.with_update_rule(optax.identity(), "kahan")
+  tx = update_rules.with_update_rule(optax.identity(), "kahan")
   updates, state = jax.jit(tx.update)(u, tx.init(p), p)
   new = optax.apply_updates(p, updates)
   assert new.dtype == BF16 and state.compensation.dtype == BF16
@@ -116,14 +116,14 @@ def test_stochastic_rounding_is_unbiased():
   lo = jnp.asarray(1.0, BF16).astype(F32)
   ulp = float(jnp.finfo(BF16).eps)  # Spacing of bf16 numbers in [1, 2).
   x = jnp.full((200_000,), lo + 0.3 * ulp, F32)
-  r = jax.jit(optim.stochastic_round, static_argnums=1)(x, BF16, jax.random.key(0))
+  r = jax.jit(update_rules.stochastic_round, static_argnums=1)(x, BF16, jax.random.key(0))
   values = set(np.unique(np.asarray(r)).tolist())
   assert values == {1.0, 1.0 + ulp}  # Only the two neighbours.
   # E[r] = x; the standard error of the mean is sqrt(0.3 * 0.7 / n) ulps.
   bias = (float(jnp.mean(r.astype(jnp.float64) if jax.config.jax_enable_x64 else r))
           - float(x[0])) / ulp
   assert abs(bias) < 5 * np.sqrt(0.21 / x.size), bias
-  neg = jax.jit(optim.stochastic_round, static_argnums=1)(-x, BF16, jax.random.key(1))
+  neg = jax.jit(update_rules.stochastic_round, static_argnums=1)(-x, BF16, jax.random.key(1))
   assert abs(float(jnp.mean(neg)) + float(x[0])) / ulp < 5 * np.sqrt(0.21 / x.size)
 
 
@@ -151,9 +151,9 @@ def test_fp32_adamw_matches_optax():
 
 _EXCESS_PRECISION_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
-    from zerojax import optim
+    from zerojax import update_rules
     p = jnp.ones((1024,), jnp.bfloat16)
-    tx = optim.with_update_rule(optax.identity(), "kahan")
+    tx = update_rules.with_update_rule(optax.identity(), "kahan")
     step = jax.jit(lambda p, s: tx.update(jnp.full((1024,), 1e-3, jnp.float32), s, p))
     state = tx.init(p)
     for _ in range(10):
@@ -218,3 +218,53 @@ def test_bf16_second_moment_that_cannot_decay_is_refused():
   nu = jnp.asarray(1.0, BF16)
   assert (0.999 * nu).astype(BF16) == nu and (0.996 * nu).astype(BF16) < nu
   optim.adamw(1e-3, b2=0.996, state_dtype=BF16)  # The largest that still decays.
+
+
+def grads_at(tree, path):
+  """The leaf of `tree` at `path` (a `tree_leaves_with_path` path)."""
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+def test_stochastic_rounding_by_layer_draws_each_layers_own_bits():
+  """The train step's per-layer update (`updates.update_by_layer`) with stochastic
+  rounding: every layer starts equal and gets the same sub-ulp update, yet the layers
+  round differently (each draws `fold_in(step key, layer)`), each element lands on one
+  of its two bf16 neighbours, layer i is `tx.update(..., stream=i)` of its own slice,
+  and the state's key advances once."""
+  model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=4, context=4,
+                param_dtype=BF16, compute_dtype=BF16)
+  tx = optim.sgd(1.0, update_rule="stochastic", seed=3)
+  plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 1,
+                           jax.eval_shape(model.init, jax.random.key(0)), tx,
+                           logical_axes=model.logical_axes(), min_shard_size=0)
+  assert isinstance(tx, optim.SeededLeafwise) and updates.can_update_by_layer(plan, tx)
+  same = lambda x, m: jnp.broadcast_to(x[:1], x.shape) if m else x
+  params = jax.tree.map(same, model.init(jax.random.key(0)), plan.per_layer)
+  # A third of an ulp of each weight, down: rounds down with probability ~1/3.
+  grads = jax.tree.map(lambda p: jnp.abs(p.astype(F32)) * 2.0 ** -8 / 3 + 1e-30, params)
+  state = tx.init(params)
+  update = functools.partial(updates.apply, tx, finite=jnp.bool_(True),
+                             scale=jnp.float32(1), factor=None)
+  new, new_state, _ = jax.jit(functools.partial(updates.update_by_layer, plan, update))(
+      grads, state, params)
+  # The reference: leaf j of layer i rounds with key j of the step key folded with i.
+  step_key = jax.random.split(jax.random.wrap_key_data(state.key))[1]
+  flat = jax.tree_util.tree_leaves_with_path(params)
+  for j, (path, p) in enumerate(flat):
+    if path[0].key != "layers":
+      continue
+    for i in range(model.n_layers):
+      key = jax.random.split(jax.random.fold_in(step_key, i), len(flat))[j]
+      want = update_rules.stochastic_round(p[i].astype(F32) - grads_at(grads, path)[i], BF16, key)
+      np.testing.assert_array_equal(np.asarray(grads_at(new, path)[i], F32), np.asarray(want))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(new["layers"]):
+    old = np.asarray(params["layers"][path[0].key], F32)
+    got = np.asarray(leaf, F32)
+    below = np.asarray(jnp.nextafter(jnp.asarray(old, BF16), jnp.asarray(-np.inf, BF16)), F32)
+    assert np.all((got == old) | (got == below)), path
+    assert 0.2 < np.mean(got != old) < 0.5, path  # About a third rounded down.
+    assert not np.array_equal(got[0], got[1]), path  # Each layer its own bits.
+  key = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.key))[0])
+  np.testing.assert_array_equal(new_state.key, key)

@@ -188,7 +188,7 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
     (dict(loss_scaling=precision.LossScaling()), "dynamic loss scaling"),
     (dict(stage=2), "runs stage 2"),
     (dict(tx=optax.adamw(1e-3)), "LeafwiseTransformation"),
-    (dict(tx=optim.adamw(1e-3, update_rule="stochastic")), "LeafwiseTransformation"),
+    (dict(tx=optim.adamw(1e-3, update_rule="stochastic")), "stochastic rounding"),
 ])
 def test_what_release_cannot_do_is_refused(change, message):
   model = MlpLM(**SMALL)

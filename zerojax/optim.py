@@ -5,27 +5,8 @@ Two independent choices make a recipe:
 * **state dtype**: every moment (Adam's `mu` *and* `nu`, Lion's and SGD's momentum) is
   stored in `state_dtype` (fp32 or bf16) and computed in fp32. optax keeps Adam's `nu`
   in the parameter dtype whatever `mu_dtype` says, so these are zerojax's own.
-* **update rule**: how the fp32 update reaches a bf16 parameter (`with_update_rule`):
-  - `nearest`: round to nearest, what `optax.apply_updates` does. An update smaller
-    than half an ulp of the weight is lost: training stalls.
-  - `kahan`: a compensation buffer in the parameter dtype carries each step's rounding
-    error into the next (2 bytes/param for bf16).
-  - `stochastic`: round up or down at random with the probabilities that make the
-    rounding unbiased (no memory).
-  - `master`: an fp32 copy of the params that the inner transform updates; the bf16
-    params are its rounding (DeepSpeed's bf16 mode, 4 bytes/param).
-
-`with_update_rule` wraps any `GradientTransformation`, so it composes with optax's
-transforms, and it returns updates `u` such that `optax.apply_updates(p, u)` lands
-exactly on the new parameter it chose: `u = p_new - p` in fp32, which is exact, and
-`p + u` in fp32 rounds back to `p_new`. Every other part of a training loop (the
-ZeRO step, clipping, schedules) stays plain optax. Weight decay is part of the inner
-transform's update, so it goes through the same compensated rounding: a bf16 multiply
-by `1 - lr * wd` rounds back to the weight itself once `lr * wd < 2^-9`.
-
-Rounding is forced with `lax.reduce_precision`: XLA may keep bf16 arithmetic in fp32
-and drop an f32 -> bf16 -> f32 round trip (`xla_allow_excess_precision`), which would
-silently zero a compensation computed as `s - f32(bf16(s))`.
+* **update rule**: how the fp32 update reaches a bf16 parameter: nearest, kahan,
+  stochastic or master (`zerojax.update_rules`).
 
 Gradient clipping is deliberately not in these chains: the train step clips by the
 fp32 global norm of the reduced gradients itself (`make_train_step(max_grad_norm=)`).
@@ -58,71 +39,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax.update_rules import f32 as _f32, with_update_rule
+
 PyTree = Any
-UPDATE_RULES = ("nearest", "kahan", "stochastic", "master")
-
-
-# --- Rounding -------------------------------------------------------------------------
-
-
-def round_to(x: jax.Array, dtype: Any) -> jax.Array:
-  """`x` rounded to nearest in `dtype`'s format, kept in `x`'s dtype; never elided."""
-  info = jnp.finfo(dtype)
-  if info.bits >= jnp.finfo(x.dtype).bits:
-    return x
-  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
-def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
-  """Unbiased stochastic rounding of fp32 `x` to bf16: E[result] = x.
-
-  Adds 16 random bits below bf16's last mantissa bit and truncates: the magnitude
-  rounds up with probability equal to the dropped fraction of an ulp (sign-magnitude
-  makes it symmetric for negatives).
-
-  Args:
-    x: float32 array.
-    dtype: bfloat16 (float32 returns `x`).
-    key: a PRNG key.
-
-  Returns:
-    float32 array whose values are exactly representable in bf16.
-  """
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.float32:
-    return x
-  if dtype != jnp.bfloat16 or x.dtype != jnp.float32:
-    raise ValueError(f"stochastic rounding goes from float32 to bfloat16, not "
-                     f"{x.dtype} to {dtype}")
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
-  rounded = (bits + noise) & jnp.uint32(0xFFFF0000)
-  return jax.lax.bitcast_convert_type(rounded, jnp.float32)
-
-
-# --- Update rules ---------------------------------------------------------------------
-
-
-class KahanState(NamedTuple):
-  """`compensation`: per param, the rounding error not yet applied (param dtype)."""
-  inner: optax.OptState
-  compensation: PyTree
-
-
-class MasterState(NamedTuple):
-  """`master`: the fp32 params the inner transform updates."""
-  inner: optax.OptState
-  master: PyTree
-
-
-class StochasticState(NamedTuple):
-  """`key`: uint32[2] key data, split every step."""
-  inner: optax.OptState
-  key: jax.Array
-
-
-def _f32(x):
-  return x.astype(jnp.float32)
 
 
 def _average(m: jax.Array, x: jax.Array, beta: float, decay: bool | jax.Array,
@@ -131,73 +50,6 @@ def _average(m: jax.Array, x: jax.Array, beta: float, decay: bool | jax.Array,
   `decay` (the step's first microbatch) and `x` gets `weight` of its share."""
   keep = beta if decay is True else jnp.where(decay, beta, 1.0)
   return keep * _f32(m) + ((1 - beta) * weight) * x
-
-
-def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
-                     seed: int = 0) -> optax.GradientTransformation:
-  """Makes `inner`'s updates land on low-precision params by `rule`.
-
-  Args:
-    inner: any optax transform producing the (fp32) update for each param.
-    rule: one of `UPDATE_RULES`.
-    seed: seeds the stochastic-rounding stream (rule 'stochastic').
-
-  Returns:
-    A transform whose updates `u` (fp32) make `optax.apply_updates(p, u)` equal the
-    rounded new params exactly. Its state adds, per rule: nothing ('nearest'), a
-    compensation buffer in the param dtype ('kahan'), a PRNG key ('stochastic'), fp32
-    master params ('master'). Those buffers mirror the params, so a ZeRO plan shards
-    them like the moments.
-  """
-  if rule not in UPDATE_RULES:
-    raise ValueError(f"unknown update rule {rule!r}; use one of {UPDATE_RULES}")
-  if rule == "nearest":
-    return inner
-
-  def land(params, new):
-    """fp32 updates that take each param exactly to `new` (fp32, representable)."""
-    return jax.tree.map(lambda p, n: n - _f32(p), params, new)
-
-  if rule == "kahan":
-    def init(params):
-      return KahanState(inner.init(params), jax.tree.map(jnp.zeros_like, params))
-
-    def update(grads, state, params, **extra):
-      u, inner_state = inner.update(grads, state.inner, params, **extra)
-      exact = jax.tree.map(lambda p, u, c: _f32(p) + _f32(u) + _f32(c),
-                           params, u, state.compensation)
-      new = jax.tree.map(lambda s, p: round_to(s, p.dtype), exact, params)
-      compensation = jax.tree.map(lambda s, n, c: round_to(s - n, c.dtype).astype(c.dtype),
-                                  exact, new, state.compensation)
-      return land(params, new), KahanState(inner_state, compensation)
-
-  elif rule == "stochastic":
-    def init(params):
-      return StochasticState(inner.init(params),
-                             jax.random.key_data(jax.random.key(seed)))
-
-    def update(grads, state, params, **extra):
-      u, inner_state = inner.update(grads, state.inner, params, **extra)
-      key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-      leaves, treedef = jax.tree.flatten(params)
-      keys = jax.random.split(step_key, len(leaves))
-      new = [stochastic_round(_f32(p) + _f32(u), p.dtype, k)
-             for p, u, k in zip(leaves, treedef.flatten_up_to(u), keys)]
-      return (land(params, treedef.unflatten(new)),
-              StochasticState(inner_state, jax.random.key_data(key)))
-
-  else:  # master
-    def init(params):
-      master = jax.tree.map(_f32, params)
-      return MasterState(inner.init(master), master)
-
-    def update(grads, state, params, **extra):
-      u, inner_state = inner.update(grads, state.inner, state.master, **extra)
-      master = jax.tree.map(lambda m, u: m + _f32(u), state.master, u)
-      new = jax.tree.map(lambda m, p: round_to(m, p.dtype), master, params)
-      return land(params, new), MasterState(inner_state, master)
-
-  return optax.GradientTransformationExtraArgs(init, update)
 
 
 # --- Leafwise transforms --------------------------------------------------------------
@@ -212,19 +64,28 @@ class LeafwiseTransformation(optax.GradientTransformationExtraArgs):
   can run on any slice of the leaves, e.g. one layer of layer-stacked params at a
   time, and give the same result as on the whole tree; `make_train_step` does that
   for the layer-stacked leaves, so the update's fp32 temporaries are one layer's.
-  `adamw`, `lion` and `sgd` return one, except with stochastic rounding (its random
-  bits depend on the shape of the leaf) or a callable decay mask (it may look at
-  the shapes it is given).
+  `adamw`, `lion` and `sgd` return one, except with a callable decay mask (it may look
+  at the shapes it is given); with stochastic rounding, a `SeededLeafwise`.
   """
+  __slots__ = ()
+
+
+class SeededLeafwise(LeafwiseTransformation):
+  """Leafwise but for its random bits (stochastic rounding): an update of a slice must
+  say which (the extra argument `stream`, e.g. the layer index), and the update of a
+  slice is then an equally distributed draw, not that slice of the whole tree's draw.
+  The train step's per-layer update passes the layer; gradient release does not run it
+  (each device's shard would draw the same bits)."""
   __slots__ = ()
 
 
 def _leafwise(tx: optax.GradientTransformation, update_rule: str,
               mask: Any) -> optax.GradientTransformation:
   """`tx` marked leafwise, where the rule and the mask allow it."""
-  if update_rule == "stochastic" or callable(mask):
+  if callable(mask):
     return tx
-  return LeafwiseTransformation(tx.init, tx.update)
+  kind = SeededLeafwise if update_rule == "stochastic" else LeafwiseTransformation
+  return kind(tx.init, tx.update)
 
 
 # --- Moments in a chosen dtype --------------------------------------------------------
@@ -371,7 +232,7 @@ def carry_grad_norm(tx: optax.GradientTransformation) -> optax.GradientTransform
         jnp.isfinite(grad_norm), grad_norm, previous.norm).astype(jnp.float32)
     return u, (PreviousNormState(norm), inner)
 
-  wrap = LeafwiseTransformation if isinstance(tx, LeafwiseTransformation) else (
+  wrap = type(tx) if isinstance(tx, LeafwiseTransformation) else (
       optax.GradientTransformationExtraArgs)
   return wrap(init, update)
 
@@ -392,7 +253,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     b1, b2, eps: Adam's hyper-parameters (`scale_by_adam`).
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     state_dtype: dtype of both moments (float32 or bfloat16).
-    update_rule: one of `UPDATE_RULES`.
+    update_rule: one of `zerojax.update_rules.UPDATE_RULES`.
     mask: which params decay (a pytree of bools or a function of the params).
     seed: stochastic-rounding seed.
   """

@@ -121,8 +121,11 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
   if not updates.can_update_by_layer(plan, tx):
     raise ValueError(
         "gradient release needs an optimizer that updates each element on its own "
-        "(optim.LeafwiseTransformation: zerojax's adamw, lion or sgd without stochastic "
-        "rounding or a callable mask) whose other state is scalars")
+        "(optim.LeafwiseTransformation: zerojax's adamw, lion or sgd without a callable "
+        "mask) whose other state is scalars")
+  if isinstance(tx, optim.SeededLeafwise):
+    raise ValueError("gradient release with stochastic rounding: each device's update of "
+                     "its shard would draw the same random bits; use update_rule='kahan'")
   if not isinstance(plan.params, dict) or parts.stack not in plan.params:
     raise ValueError(f"gradient release: the params have no top-level {parts.stack!r} key")
   in_stack = {k: jax.tree.map(lambda _, k=k: k == parts.stack, v)

@@ -302,7 +302,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     raise ValueError(
         "update_by_layer=True needs layer-stacked params and an optimizer that updates "
         "each element on its own (optim.LeafwiseTransformation: zerojax's adamw, lion or "
-        "sgd without stochastic rounding or a callable mask) whose other state is scalars")
+        "sgd without a callable mask) whose other state is scalars")
   by_layer = by_layer if update_by_layer is None else update_by_layer
 
   def step(state: TrainState, batch: PyTree):

@@ -67,8 +67,9 @@ def can_update_by_layer(plan: zero.ZeroPlan, tx: optax.GradientTransformation) -
   if not isinstance(tx, optim.LeafwiseTransformation) or not any(
       jax.tree.leaves(plan.per_layer)):
     return False
-  # State leaves that mirror no param must be scalars (counts): every slice shares them.
-  return all(mirror or not x.shape for x, mirror in zip(
+  # State leaves that mirror no param must be small and shared by every slice: counts
+  # (scalars) and the stochastic-rounding key (two words).
+  return all(mirror or x.ndim <= 1 for x, mirror in zip(
       jax.tree.leaves(plan.opt_state), jax.tree.leaves(plan.opt_mirrors), strict=True))
 
 
@@ -99,8 +100,10 @@ def update_by_layer(plan: zero.ZeroPlan, update: Callable, grads: PyTree,
 
     def body(i, carry, views=views):
       p, s, total = carry
+      # `stream`: a stochastic-rounding update draws layer i's own bits (the other
+      # rules ignore it).
       new_p, new_s, squares = update(views.params(grads, i), views.state(s, i),
-                                     views.params(p, i))
+                                     views.params(p, i), stream=i)
       return views.put(p, new_p, i), views.put_state(s, new_s, i), total + squares
 
     params, opt_state, total = jax.lax.fori_loop(0, length, body,

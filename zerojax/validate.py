@@ -269,8 +269,8 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
        "would be inputs of every layer, which release does not carry yet",
        "set data.pack=False (one example per row, padded)"),
       ("optimizer.update_rule", o.update_rule == "stochastic",
-       "update_rule 'stochastic' is not elementwise (its random bits depend on the shape)",
-       "use update_rule 'kahan'"),
+       "update_rule 'stochastic': each device's update of its shard would draw the same "
+       "random bits", "use update_rule 'kahan'"),
   ]
   for key, bad, problem, fix in problems:
     if bad:

@@ -271,7 +271,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
     # one layer's state at a time and the other leaves' (embedding, head) at once when
     # the update runs layer by layer (leafwise rules); otherwise all of it together.
     stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
-    moved = max(local - stacked, stacked // L) if s.update_rule != "stochastic" else local
+    moved = max(local - stacked, stacked // L)
     streamed = (moments * sb + rule) * moved
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
@@ -380,7 +380,7 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   kinds.append([(f"remat {r}", (f"model.remat={r}",), dict(remat=r))
                 for r in order[order.index(s.remat) + 1:]])
   # What `validate._check_release` accepts: stage 3 over more than one shard, one
-  # microbatch, an elementwise update rule, no float16.
+  # microbatch, no stochastic rounding (each shard would draw the same bits), no float16.
   if (not s.release and s.behaviour.stage == 3 and s.microbatches == 1
       and s.update_rule != "stochastic" and "float16" not in (s.param_dtype, s.compute_dtype)):
     kinds.append([("gradient release (stage 3, no global-norm clipping)",
