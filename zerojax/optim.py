@@ -74,8 +74,8 @@ class SeededLeafwise(LeafwiseTransformation):
   """Leafwise but for its random bits (stochastic rounding): an update of a slice must
   say which (the extra argument `stream`, e.g. the layer index), and the update of a
   slice is then an equally distributed draw, not that slice of the whole tree's draw.
-  The train step's per-layer update passes the layer; gradient release does not run it
-  (each device's shard would draw the same bits)."""
+  The train step's per-layer update passes the layer; gradient release the layer and
+  the device's shard."""
   __slots__ = ()
 
 

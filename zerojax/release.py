@@ -123,9 +123,6 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
         "gradient release needs an optimizer that updates each element on its own "
         "(optim.LeafwiseTransformation: zerojax's adamw, lion or sgd without a callable "
         "mask) whose other state is scalars")
-  if isinstance(tx, optim.SeededLeafwise):
-    raise ValueError("gradient release with stochastic rounding: each device's update of "
-                     "its shard would draw the same random bits; use update_rule='kahan'")
   if not isinstance(plan.params, dict) or parts.stack not in plan.params:
     raise ValueError(f"gradient release: the params have no top-level {parts.stack!r} key")
   in_stack = {k: jax.tree.map(lambda _, k=k: k == parts.stack, v)
@@ -194,6 +191,11 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   copies = jax.tree.map(lambda d: 1 if d is not None else plan.num_shards, dims,
                         is_leaf=is_dim)
   rest_copies = {k: v for k, v in copies.items() if k != stack}
+  # Stochastic rounding's bits (`update_rules`, `stream`): each layer's and each shard's
+  # own; a leaf every device of the shard group holds whole rounds alike on all of them.
+  streams = lambda i: jax.tree.map(
+      lambda d: i * plan.num_shards + (0 if d is None else jax.lax.axis_index(plan.shard_axes)),
+      dims, is_leaf=is_dim)
   mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
@@ -263,7 +265,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       squares = updates.sum_squares(g, copies[stack], mean_scale)
       new_p, new_s, update_squares = apply(
           {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
-          scale=mean_scale, factor=factor(squares), copies=copies, **phase, **clip_to)
+          scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
+          **phase, **clip_to)
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
               skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
               update_sq + jnp.where(finite, update_squares, 0.0))
@@ -284,7 +287,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     rest_p, rest_s, update_squares = apply(
         *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
         finite=finite, scale=mean_scale, factor=factor(squares), copies=copies,
-        **phase, **clip_to, **norm)
+        stream=streams(depth), **phase, **clip_to, **norm)
     p = updates.pick(plan.per_layer, p, rest_p)
     s = updates.pick(plan.opt_per_layer, s, rest_s)
     update_sq = total(update_sq + jnp.where(finite, update_squares, 0.0))

@@ -103,10 +103,12 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
     inner: any optax transform producing the (fp32) update for each param.
     rule: one of `UPDATE_RULES`.
     seed: seeds the stochastic-rounding stream (rule 'stochastic'). Its update takes
-      an extra argument `stream` (an int32 scalar): an update of one slice of the tree
-      (`zerojax.updates.update_by_layer` passes the layer index) draws the random bits
-      of `fold_in(step key, stream)`, so slices of the same shape differ; the state's
-      key still advances once per step (every slice reads it as it was).
+      an extra argument `stream`: an int32 scalar, or one per param leaf (a tree like
+      the params). Leaf j of an update given stream s draws the bits of key j of
+      `split(fold_in(step key, s), leaves)`, so the slices of one tree (a layer:
+      `zerojax.updates.update_by_layer` passes the layer index; a device's shard:
+      gradient release passes layer and shard) each draw their own. The state's key
+      still advances once per step (every slice reads it as it was).
 
   Returns:
     A transform whose updates `u` (fp32) make `optax.apply_updates(p, u)` equal the
@@ -145,10 +147,13 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
     def update(grads, state, params, *, stream=None, **extra):
       u, inner_state = inner.update(grads, state.inner, params, **extra)
       key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-      if stream is not None:  # A slice of the tree (one layer): bits of its own.
-        step_key = jax.random.fold_in(step_key, stream)
       leaves, treedef = jax.tree.flatten(params)
       keys = jax.random.split(step_key, len(leaves))
+      if stream is not None:  # A slice of the tree: bits of its own, leaf by leaf.
+        streams = (treedef.flatten_up_to(stream) if jax.tree.structure(stream) == treedef
+                   else [stream] * len(leaves))
+        keys = [jax.random.split(jax.random.fold_in(step_key, s), len(leaves))[j]
+                for j, s in enumerate(streams)]
       new = [stochastic_round(f32(p) + f32(u), p.dtype, k)
              for p, u, k in zip(leaves, treedef.flatten_up_to(u), keys)]
       return (land(params, treedef.unflatten(new)),

@@ -268,9 +268,6 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
        "data.name='sft' and data.pack=True: packed examples' positions and segment ids "
        "would be inputs of every layer, which release does not carry yet",
        "set data.pack=False (one example per row, padded)"),
-      ("optimizer.update_rule", o.update_rule == "stochastic",
-       "update_rule 'stochastic': each device's update of its shard would draw the same "
-       "random bits", "use update_rule 'kahan'"),
   ]
   for key, bad, problem, fix in problems:
     if bad:

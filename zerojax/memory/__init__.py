@@ -380,9 +380,9 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   kinds.append([(f"remat {r}", (f"model.remat={r}",), dict(remat=r))
                 for r in order[order.index(s.remat) + 1:]])
   # What `validate._check_release` accepts: stage 3 over more than one shard, one
-  # microbatch, no stochastic rounding (each shard would draw the same bits), no float16.
+  # microbatch, no float16.
   if (not s.release and s.behaviour.stage == 3 and s.microbatches == 1
-      and s.update_rule != "stochastic" and "float16" not in (s.param_dtype, s.compute_dtype)):
+      and "float16" not in (s.param_dtype, s.compute_dtype)):
     kinds.append([("gradient release (stage 3, no global-norm clipping)",
                    ("optimizer.release=True", "optimizer.grad_clip=0"), dict(release=True))])
   kinds.append([(f"{s.microbatches * k} microbatches of {s.batch // k} sequence(s) per device",
