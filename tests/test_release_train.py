@@ -91,6 +91,7 @@ def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
   assert result.returncode == exits.NON_FINITE, (result.returncode, result.stderr[-3000:])
   errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "3 consecutive steps" in errors[0], result.stderr[-3000:]
+  assert "optimizer.release_clipping=" in errors[0]  # Clipping advice that release takes.
   assert "Traceback" not in result.stderr
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   skipped = [r for r in records if r.get("skipped") and "skipped_layers" in r]

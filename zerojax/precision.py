@@ -120,7 +120,7 @@ def calibration_skips(cfg: LossScaling) -> int:
 
 
 def check_skips(step: int, metrics: dict, limit: int,
-                scaling: LossScaling = NO_SCALING) -> str | None:
+                scaling: LossScaling = NO_SCALING, release: bool = False) -> str | None:
   """A log line for a skipped step, or NonFiniteError once `limit` came in a row.
 
   Skips before the run's first finite step do not count while the scale is still
@@ -136,6 +136,7 @@ def check_skips(step: int, metrics: dict, limit: int,
     metrics: the step's metrics (host values): skipped, consecutive_skips, loss_scale.
     limit: consecutive skips that end the run; 0 never does.
     scaling: the run's loss scaling, for the calibration allowance and the advice.
+    release: the run uses gradient release (clipping needs optimizer.release_clipping).
 
   Returns:
     None for a normal step, else the line to log.
@@ -154,19 +155,21 @@ def check_skips(step: int, metrics: dict, limit: int,
     return line
   after = (f" after the {allowance} that brought the loss scale down from "
            f"2^{scaling.initial_power} to min_scale" if allowance else "")
+  clip = "optimizer.grad_clip > 0" + (
+      " with optimizer.release_clipping='per_layer' (or 'previous_norm')" if release else "")
   if not scaling.dynamic:
-    advice = ("Try: a lower learning rate or more warmup, optimizer.grad_clip > 0, or check "
-              "the data for bad tokens.")
+    advice = (f"Try: a lower learning rate or more warmup, {clip}, or check the data for bad "
+              "tokens.")
   elif scale <= scaling.min_scale:  # At its floor: a smaller scale was not allowed.
     advice = (f"The loss scale is at precision.loss_scale.min_scale={scaling.min_scale:g}, "
               + ("so the scaled gradients may overflow. Try: a smaller "
                  "precision.loss_scale.min_scale, " if scaling.min_scale > 1 else
                  "so the float16 forward or backward itself overflows. Try: ")
-              + "bfloat16 instead of float16, a lower learning rate or more warmup, "
-              "optimizer.grad_clip > 0, or check the data for bad tokens.")
+              + f"bfloat16 instead of float16, a lower learning rate or more warmup, {clip}, "
+              "or check the data for bad tokens.")
   else:
     advice = (f"The loss scale was still coming down (min_scale {scaling.min_scale:g}). Try: a "
-              "lower learning rate or more warmup, optimizer.grad_clip > 0, bfloat16 instead of "
+              f"lower learning rate or more warmup, {clip}, bfloat16 instead of "
               "float16, a larger precision.max_consecutive_skips to let the scale go lower, or "
               "check the data for bad tokens.")
   raise NonFiniteError(

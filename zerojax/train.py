@@ -290,7 +290,8 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
 
   def check_skips(step, m):
     m = {k: float(m[k]) for k in ("skipped", "consecutive_skips", "loss_scale")}
-    line = precision.check_skips(step, m, c.precision.max_consecutive_skips, loss_scaling)
+    line = precision.check_skips(step, m, c.precision.max_consecutive_skips, loss_scaling,
+                                 release=c.optimizer.release)
     if line:
       report(line, step=step, skipped=True, loss_scale=m["loss_scale"])
 
