@@ -18,7 +18,8 @@ from zerojax.testing import run_logs
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
                     reason='the wandb extra is not installed (pip install -e ".[wandb]")')
 def test_wandb_offline_resume_appends_to_the_same_run(tmp_path):
-  """Two runs in one workdir (as before and after a stop): one W&B run id, each step once."""
+  """Two runs in one workdir (as before and after a stop): one W&B run id, each step once;
+  the second ends by an error, and W&B records its exit code as 1 (a failed run)."""
   config = base_config()
   config.logging.tensorboard = False
   config.logging.wandb.project, config.logging.wandb.mode = "zerojax-test", "offline"
@@ -28,7 +29,7 @@ def test_wandb_offline_resume_appends_to_the_same_run(tmp_path):
     for step in range(start + 1, stop + 1):
       report(step=step, loss=10.0 - step, learning_rate=0.1 * step, tokens=4.0)
     report(step=stop, eval_loss=float(stop))
-    report.close()
+    report.close(failed=start > 0)
   # W&B's service process writes the run files after finish() returns; at the exit of
   # train.py it is waited for, here in pytest's process it is stopped by hand.
   import wandb
@@ -37,6 +38,7 @@ def test_wandb_offline_resume_appends_to_the_same_run(tmp_path):
   assert len(os.listdir(tmp_path / "wandb")) >= 2  # An offline run directory per start.
   rows = run_logs.wandb_history(str(tmp_path / "wandb"))
   assert {r for r, _, _ in rows} == {run_id}
+  assert run_logs.wandb_exit_codes(str(tmp_path / "wandb")) == [(run_id, 0), (run_id, 1)]
   history = {}
   for _, step, values in rows:
     for tag, value in values.items():
@@ -74,7 +76,7 @@ def test_tensorboard_resume_after_a_kill_drops_the_orphaned_steps(tmp_path):
     writer = metrics.tensorboard(str(tmp_path), config, start)
     for step in range(start + 1, stop + 1):
       writer.scalars(step, {"train/loss": loss})
-    writer.close()
+    writer.close(False)
   written = run_logs.tensorboard_scalars(str(tmp_path), purge=False)["train/loss"]
   assert [s for s, _ in written] == [1, 2, 3, 4, 5, 4, 5, 6]  # Both files hold 4 and 5.
   shown = run_logs.tensorboard_scalars(str(tmp_path))["train/loss"]

@@ -1,5 +1,6 @@
 """The GPU flag profile: resolved against the XLA installed here, the user's flags first."""
 
+import importlib.util
 import math
 import os
 import subprocess
@@ -81,10 +82,14 @@ def test_apply_only_on_gpu_and_never_over_the_user(config_8b):
   assert xla_flags.apply_gpu_profile(off, env) == [] and "XLA_FLAGS" not in env
 
 
-def test_on_gpu_reads_jax_platforms():
+def test_on_gpu_reads_jax_platforms_else_looks_for_a_cuda_plugin():
   assert xla_flags.on_gpu({"JAX_PLATFORMS": "cuda,cpu"})
   assert xla_flags.on_gpu({"JAX_PLATFORMS": "gpu"})
   assert not xla_flags.on_gpu({"JAX_PLATFORMS": "cpu"})
+  # Unset (a plain `python train.py`): this machine has no CUDA plugin, nor maybe even
+  # the jax_plugins package, whose absence must not be an error.
+  plugin = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+  assert xla_flags.on_gpu({}) == (plugin and os.path.exists("/dev/nvidiactl"))
 
 
 def test_cli_prints_the_profile():

@@ -51,9 +51,10 @@ SCALARS = {
 
 
 class Writer(NamedTuple):
-  """A metrics sink: `scalars(step, {tag: value})`, `close()`."""
+  """A metrics sink: `scalars(step, {tag: value})`, `close(failed)` (the run ended by
+  an error: W&B marks it failed)."""
   scalars: Callable[[int, dict[str, float]], Any]
-  close: Callable[[], Any]
+  close: Callable[[bool], Any]
 
 
 def device_memory() -> dict[str, int]:
@@ -85,7 +86,7 @@ def tensorboard(logdir: str, config: ml_collections.ConfigDict, start: int) -> W
       writer.add_scalar(tag, value, step)
     writer.flush()  # Readable while the run goes on, and after a kill.
 
-  return Writer(scalars, writer.close)
+  return Writer(scalars, lambda failed: writer.close())
 
 
 def _wandb_reachable() -> bool:
@@ -131,7 +132,8 @@ def wandb_run(workdir: str, config: ml_collections.ConfigDict, log: Callable[[st
   log(f"wandb: run {run_id} ({mode})" + (
       f"; upload later with: wandb sync {run.dir.removesuffix('/files')}"
       if mode == "offline" else ""))
-  return Writer(lambda step, values: run.log(values, step=step), run.finish)
+  return Writer(lambda step, values: run.log(values, step=step),
+                lambda failed: run.finish(exit_code=1 if failed else 0))
 
 
 class Reporter:
@@ -160,9 +162,10 @@ class Reporter:
     if config.logging.wandb.project:
       self.writers.append(wandb_run(self.workdir, config, self))
 
-  def close(self) -> None:
+  def close(self, failed: bool = False) -> None:
+    """Closes the writers; `failed`: the run ended by an error."""
     for writer in self.writers:
-      writer.close()
+      writer.close(failed)
     self.writers = []
 
   def start_bar(self, total: int, console: rich_console.Console | None = None) -> None:

@@ -368,7 +368,8 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
   # TensorBoard and W&B from here: a refused or finished run leaves their runs untouched.
-  cleanup.callback(run.report.close)
+  # An error unwinding through here closes them as failed (W&B shows the run failed).
+  cleanup.push(lambda error, *_: run.report.close(failed=error is not None))
   run.report.open_writers(c, start)
   return train_loop(run, state)
 

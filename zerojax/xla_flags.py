@@ -140,10 +140,16 @@ def on_gpu(environ: Mapping[str, str] = os.environ) -> bool:
   platforms = environ.get("JAX_PLATFORMS", "")
   if platforms:
     return any(p in ("cuda", "gpu") for p in platforms.lower().split(","))
-  plugin = any(importlib.util.find_spec(m) is not None
-               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12",
-                         "jax_plugins.xla_cuda13"))
-  return plugin and os.path.exists("/dev/nvidiactl")
+  return any(_installed(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
+                                     "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+             ) and os.path.exists("/dev/nvidiactl")
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # Its parent package (jax_plugins) is not installed.
+    return False
 
 
 def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,

@@ -62,6 +62,24 @@ def _started(path: str) -> tuple[str, int]:
   return name[2], int(name[4]) if len(name) > 4 else 0
 
 
+def wandb_exit_codes(wandb_dir: str) -> list[tuple[str, int]]:
+  """[(run id, exit code)] of every offline run under `wandb_dir` that finished, oldest
+  first (W&B shows a nonzero code as a failed run)."""
+  from wandb.proto import wandb_internal_pb2  # the wandb extra
+  codes = []
+  for path in sorted(glob.glob(os.path.join(wandb_dir, "offline-run-*", "run-*.wandb")),
+                     key=_started):
+    with open(path, "rb") as f:
+      data = f.read()
+    for payload in _records(data, 7):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(payload)
+      if record.WhichOneof("record_type") == "exit":
+        codes.append((os.path.basename(path)[len("run-"):-len(".wandb")],
+                      record.exit.exit_code))
+  return codes
+
+
 def wandb_history(wandb_dir: str) -> list[tuple[str, int, dict[str, float]]]:
   """[(run id, step, {key: value})] of every offline run under `wandb_dir`, oldest first."""
   import json
