@@ -1,6 +1,7 @@
 """The GPU flag profile: resolved against the XLA installed here, the user's flags first."""
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from zerojax import xla_flags
 from zerojax.config import load_config
 from zerojax.models import llama
+from zerojax.xla_flags import flag_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_8B = os.path.join(ROOT, "configs", "8b_bf16.py")
@@ -28,6 +30,22 @@ def test_known_flags_asks_the_installed_xla():
   made_up = ["--xla_gpu_no_such_flag=true", "--xla_nor_this_one=1"]
   assert xla_flags.known_flags([*made_up, *real]) == set(real)
   assert xla_flags.known_flags(made_up) == set()
+
+
+def test_known_flags_answers_from_the_environment_once_asked():
+  """Asked once with an environment, the answers are kept there (by flag name) and a
+  second ask (say, by a child) runs no XLA: given no Python to run, it still answers,
+  a known name with another value included."""
+  env = {}
+  real, made_up = "--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_no_such_flag=1"
+  assert xla_flags.known_flags([real, made_up], environ=env) == {real}
+  assert json.loads(env[xla_flags.ASKED_VAR]) == {flag_name(real): True,
+                                                  flag_name(made_up): False}
+  assert xla_flags.known_flags([real.replace("true", "false"), made_up], "/no/python",
+                               environ=dict(env)) == {real.replace("true", "false")}
+  with pytest.raises(FileNotFoundError):  # A name not asked before is asked.
+    xla_flags.known_flags(["--xla_gpu_enable_pipelined_all_gather=true"], "/no/python",
+                          environ=dict(env))
 
 
 def test_every_profile_entry_has_a_form_this_xla_knows(config_8b):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import re
@@ -31,6 +32,8 @@ from typing import NamedTuple
 # step (the 8B step needs ~100 GB of an H200's 141). cuDNN and NCCL's own buffers live
 # in what remains, so not 1.0 (NVIDIA's JAX-Toolbox recommends 0.8-0.9 for that reason).
 MEMORY_FRACTION = "0.95"
+# {flag name: whether this XLA parses it}, as JSON: `known_flags`' answers for children.
+ASKED_VAR = "ZEROJAX_XLA_FLAGS_ASKED"
 
 
 class Flag(NamedTuple):
@@ -89,14 +92,28 @@ def gpu_profile(layer_size: int) -> list[Flag]:
   return flags
 
 
-def known_flags(flags: Iterable[str], python: str = sys.executable) -> set[str]:
+def known_flags(flags: Iterable[str], python: str = sys.executable,
+                environ: MutableMapping[str, str] | None = None) -> set[str]:
   """The subset of `flags` that the installed XLA parses.
 
   Asks a child process (JAX on CPU, which parses every XLA flag, GPU ones included):
   an unknown flag aborts it with the list of unknown ones, which are dropped, and the
-  rest are asked again.
+  rest are asked again. With `environ`, the answers (by flag name) are kept in its
+  `ASKED_VAR` and read from there next time, by this process or its children (each of
+  `benchmarks/gpu.py`'s measurements would otherwise pay a JAX start to ask).
   """
-  pending = list(dict.fromkeys(flags))
+  flags = list(dict.fromkeys(flags))
+  asked = json.loads((environ or {}).get(ASKED_VAR, "{}"))
+  pending = [f for f in flags if flag_name(f) not in asked]
+  if pending:
+    known = _ask(pending, python)
+    asked.update({flag_name(f): f in known for f in pending})
+    if environ is not None:
+      environ[ASKED_VAR] = json.dumps(asked, sort_keys=True)
+  return {f for f in flags if asked[flag_name(f)]}
+
+
+def _ask(pending: list[str], python: str) -> set[str]:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   while pending:
@@ -163,7 +180,7 @@ def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,
     return []
   profile = gpu_profile(layer_bytes(config))
   user = environ.get("XLA_FLAGS", "")
-  known = known_flags([f for entry in profile for f in entry.forms], python)
+  known = known_flags([f for entry in profile for f in entry.forms], python, environ)
   chosen, lines = resolve(profile, user, known)
   environ["XLA_FLAGS"] = " ".join([*user.split(), *chosen])
   lines.append("  XLA_PYTHON_CLIENT_MEM_FRACTION="
