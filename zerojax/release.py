@@ -282,8 +282,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     grad_sq = total(grad_sq + squares)
     # The optimizer's scalars advance here, once per step (in the last microbatch);
     # with clipping by the previous norm, this step's norm is stored for the next.
-    norm = {} if not clip_to or not last else dict(
-        grad_norm=jnp.sqrt((sums[1] + grad_sq) / microbatches))
+    # (A norm that is not finite is not stored: NaN outside the last microbatch.)
+    norm = {} if not clip_to else dict(grad_norm=jnp.where(
+        last, jnp.sqrt((sums[1] + grad_sq) / microbatches), jnp.nan))
     rest_p, rest_s, update_squares = apply(
         *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
         finite=finite, scale=mean_scale, factor=factor(squares), copies=copies,
@@ -300,18 +301,17 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     micro = jax.tree.map(split, batch)
     sums = (jnp.zeros((), jnp.float32),) * 5
     if microbatches > 1:
-      # Microbatches 1..n-1 only absorb: the params are the same in every forward pass.
-      def absorb(carry, xs):
-        s, sums = carry
+      # One loop over the microbatches (one copy of their code, so XLA cannot run two
+      # at once): all but the last only absorb, the params the same in every forward.
+      def one(carry, xs):
+        p, s, sums = carry
         mb, k = xs
-        _, s, sums = microbatch(params, s, mb, sums, decay=k == 0, last=False)
-        return (s, sums), None
-      (opt_state, sums), _ = jax.lax.scan(
-          absorb, (opt_state, sums),
-          (jax.tree.map(lambda x: x[:-1], micro), jnp.arange(microbatches - 1)))
-    params, opt_state, sums = microbatch(
-        params, opt_state, jax.tree.map(lambda x: x[-1], micro), sums,
-        decay=microbatches == 1, last=True)
+        return microbatch(p, s, mb, sums, decay=k == 0, last=k == microbatches - 1), None
+      (params, opt_state, sums), _ = jax.lax.scan(
+          one, (params, opt_state, sums), (micro, jnp.arange(microbatches)))
+    else:
+      params, opt_state, sums = microbatch(
+          params, opt_state, jax.tree.map(lambda x: x[0], micro), sums, decay=True, last=True)
     loss, grad_sq, skipped_layers, skipped, update_sq = sums
     metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
                    update_norm=jnp.sqrt(update_sq),

@@ -289,7 +289,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
     grads = gb * (counts.local + counts.largest)
   else:  # Whole fp32 gradients, and the fp32 params they are taken against.
     grads = gb * (P + (other if full else P))
-  accum = ab * (counts.local if behaviour.shards_grads else P) if s.microbatches > 1 else 0
+  # Release's microbatches (optimizer accumulation) fold into the moments: no accumulator.
+  accum = ab * (counts.local if behaviour.shards_grads else P) if (
+      s.microbatches > 1 and not s.release) else 0
 
   # Activations of one microbatch. Saved for the backward pass, per layer and token:
   if s.model == "mlp_lm":  # Rough: not calibrated.
