@@ -360,8 +360,7 @@ def main(argv=None):
   left = lambda: args.budget - (time.perf_counter() - start)
   if not args.cpu:  # Which XLA flag forms this XLA knows, asked once for every child.
     from zerojax import xla_flags  # pylint: disable=import-outside-toplevel
-    xla_flags.known_flags([f for e in xla_flags.gpu_profile(1) for f in e.forms],
-                          environ=os.environ)
+    xla_flags.known_flags(xla_flags.forms(xla_flags.gpu_profile(1)), environ=os.environ)
   res = dict(cpu=args.cpu, budget_s=args.budget, steps=args.steps, mfu=[], bandwidth=None,
              goals=dict(bandwidth=f">= {BANDWIDTH_GOAL:.0%} of peak (proposed here)",
                         planner=f"compiled within {PLANNER_GOAL:.0%} of the estimate "

@@ -51,8 +51,7 @@ def test_known_flags_answers_from_the_environment_once_asked():
 def test_every_profile_entry_has_a_form_this_xla_knows(config_8b):
   """Resolved against the installed XLA, each entry gets a form, and XLA takes them all."""
   profile = xla_flags.gpu_profile(xla_flags.layer_bytes(config_8b))
-  forms = [f for entry in profile for f in entry.forms]
-  known = xla_flags.known_flags(forms)
+  known = xla_flags.known_flags(xla_flags.forms(profile))
   chosen, lines = xla_flags.resolve(profile, "", known)
   assert not [line for line in lines if "not in this XLA" in line], lines
   assert set(chosen) <= known and len(chosen) == len(profile)

@@ -140,8 +140,8 @@ def _layer_residuals(fn, policy, p, c, args):
                          prevent_cse=False)
   out, vjp = jax.vjp(layer, p, c, args)
   leaves, tree = jax.tree.flatten(vjp)
-  given = jax.tree.leaves((p, args))
-  saved = [k for k, x in enumerate(leaves) if not any(x is y for y in given)]
+  given = {id(x) for x in jax.tree.leaves((p, args))}
+  saved = [k for k, x in enumerate(leaves) if id(x) not in given]
   return out, leaves, tree, saved
 
 

@@ -148,12 +148,13 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *,
       u, inner_state = inner.update(grads, state.inner, params, **extra)
       key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
       leaves, treedef = jax.tree.flatten(params)
-      keys = jax.random.split(step_key, len(leaves))
-      if stream is not None:  # A slice of the tree: bits of its own, leaf by leaf.
-        streams = (treedef.flatten_up_to(stream) if jax.tree.structure(stream) == treedef
-                   else [stream] * len(leaves))
-        keys = [jax.random.split(jax.random.fold_in(step_key, s), len(leaves))[j]
-                for j, s in enumerate(streams)]
+      n = len(leaves)
+      if stream is None or jax.tree.structure(stream) != treedef:  # One for every leaf.
+        keys = jax.random.split(
+            step_key if stream is None else jax.random.fold_in(step_key, stream), n)
+      else:  # A stream per leaf: leaf j takes key j of its stream's split.
+        keys = [jax.random.split(jax.random.fold_in(step_key, s), n)[j]
+                for j, s in enumerate(treedef.flatten_up_to(stream))]
       new = [stochastic_round(f32(p) + f32(u), p.dtype, k)
              for p, u, k in zip(leaves, treedef.flatten_up_to(u), keys)]
       return (land(params, treedef.unflatten(new)),

@@ -40,21 +40,17 @@ def apply(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
   grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
   if factor is not None:
     grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-  if move is True or move is False:
-    moved, move = move, jnp.asarray(move)
-  else:  # Traced: both computed, one kept (one layer's worth in the per-layer updates).
-    moved = None
-  if moved is not False:
+  # A traced `move` computes both and keeps one (one layer's worth in per-layer updates).
+  if move is not False:
     updates, new_state = tx.update(grads, opt_state, params, **extra)
     new_params, squares = optax.apply_updates(params, updates), sum_squares(updates, copies)
-  if moved is not True:
-    absorbed = optim.absorb(tx, grads, opt_state, params, **extra)
-    if moved is False:
-      new_state, new_params, squares = absorbed, params, jnp.zeros((), jnp.float32)
-    else:
-      pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(move, x, y), a, b)
-      new_state, new_params = pick(new_state, absorbed), pick(new_params, params)
-      squares = jnp.where(move, squares, 0.0)
+  if move is False:
+    new_state = optim.absorb(tx, grads, opt_state, params, **extra)
+    new_params, squares = params, jnp.zeros((), jnp.float32)
+  elif move is not True:
+    pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(move, x, y), a, b)
+    new_state = pick(new_state, optim.absorb(tx, grads, opt_state, params, **extra))
+    new_params, squares = pick(new_params, params), jnp.where(move, squares, 0.0)
   new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
   return keep(new_params, params), keep(new_state, opt_state), squares

@@ -129,6 +129,11 @@ def _ask(pending: list[str], python: str) -> set[str]:
   return set()
 
 
+def forms(profile: list[Flag]) -> list[str]:
+  """Every form of every entry of `profile`, what `known_flags` is asked about."""
+  return [f for entry in profile for f in entry.forms]
+
+
 def resolve(profile: list[Flag], user_flags: str, known: set[str]) -> tuple[list[str], list[str]]:
   """(flags to add, lines for the log): per entry, nothing if the user set any of its
   forms' names, else its first known form (none known: a line says so)."""
@@ -180,8 +185,7 @@ def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,
     return []
   profile = gpu_profile(layer_bytes(config))
   user = environ.get("XLA_FLAGS", "")
-  known = known_flags([f for entry in profile for f in entry.forms], python, environ)
-  chosen, lines = resolve(profile, user, known)
+  chosen, lines = resolve(profile, user, known_flags(forms(profile), python, environ))
   environ["XLA_FLAGS"] = " ".join([*user.split(), *chosen])
   lines.append("  XLA_PYTHON_CLIENT_MEM_FRACTION="
                + environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION))
@@ -199,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   config = load_config(args.config, [])
   profile = gpu_profile(layer_bytes(config))
-  known = known_flags([f for entry in profile for f in entry.forms])
-  chosen, lines = resolve(profile, os.environ.get("XLA_FLAGS", ""), known)
+  chosen, lines = resolve(profile, os.environ.get("XLA_FLAGS", ""), known_flags(forms(profile)))
   print("\n".join(lines))
   print(f"XLA_FLAGS='{' '.join(chosen)}'")
   return 0
