@@ -3,8 +3,14 @@
 
     python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
         [--compile] [--json] [--config.a.b=value ...]
+    python -m zerojax.memory --config configs/70b_8x80gb.py --target h100:8 --compile
 
-Exit status: 0 fits (or no --device-memory given), 1 does not fit, 2 bad config.
+`--target` names a GPU (`zerojax.gpu.targets`): the verdict is against the memory XLA's
+allocator has on it as train.py runs, and `--compile` compiles with XLA's GPU compiler
+for it (no GPU needed: the `gpu-compile` extra) instead of XLA:CPU on fake devices.
+
+Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad config. With
+--target --compile the compiled bytes decide.
 """
 
 import dataclasses
@@ -74,7 +80,7 @@ def _labels(s: RunSpec) -> dict:
 
 
 def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | None = None,
-                 title: str = "") -> str:
+                 title: str = "", gpu: bool = False) -> str:
   """The plan as text: conventional bytes/param, per-device components (estimate and,
   if given, compiled), total, verdict."""
   s, c = e.setup, e.conventional
@@ -128,7 +134,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
       compiled and compiled["arguments"] + compiled["temporaries"])
   if compiled and attributed:
     lines += _differences(e, compiled, attributed, labels)
-  if compiled and _cpu_without_memory_flags():
+  if compiled and not gpu and _cpu_without_memory_flags():
     lines.append("(compiled by XLA:CPU without its memory flags, which the estimate assumes: "
                  "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
   if e.host:
@@ -193,11 +199,16 @@ def _main(argv: list[str]) -> int:
   from zerojax.config import ArgumentParser, ConfigError, load_config, parse_argv  # pylint: disable=import-outside-toplevel
   path, overrides, rest = parse_argv(argv, default="")  # So that --help works without one.
   p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
-  p.add_argument("--devices", type=int, required=True, help="devices the run uses")
+  p.add_argument("--devices", type=int, default=0,
+                 help="devices the run uses (or --target NAME:N)")
   p.add_argument("--device-memory", "--device_memory", default="",
                  help="memory per device, e.g. 80GiB or 141GB; gives a verdict and suggestions")
-  p.add_argument("--compile", action="store_true", help="also compile the step on as many "
-                 "fake CPU devices (XLA:CPU memory flags) and show XLA's numbers")
+  p.add_argument("--target", default="", help="a GPU target, e.g. h100, h100:8, h100:2x8 "
+                 "(python -m zerojax.gpu.fit --list): its memory gives the verdict; with "
+                 "--compile, XLA's GPU compiler compiles the step for it")
+  p.add_argument("--compile", action="store_true", help="also compile the step (for --target "
+                 "with XLA's GPU compiler; else on as many fake CPU devices with XLA:CPU's "
+                 "memory flags) and show XLA's numbers")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   args = p.parse_args(rest)
   if not path:
@@ -207,32 +218,105 @@ def _main(argv: list[str]) -> int:
     device_memory = parse_bytes(args.device_memory) if args.device_memory else 0
   except ValueError as err:
     p.error(str(err))
+  spec = None
+  if args.target:
+    from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
+    spec = targets.parse(args.target, args.devices)
+    args.devices = spec.devices
+  if not args.devices:
+    raise ConfigError("no device count given.", source="the command line",
+                      fix="pass --devices N, or --target NAME:N (e.g. --target h100:8)")
   if args.compile:  # XLA reads its flags when JAX starts its backend: before any device work.
     from zerojax.devices import fake_cpu_devices  # pylint: disable=import-outside-toplevel
-    fake_cpu_devices(args.devices)
+    from zerojax.gpu import compile as gpu_compile  # pylint: disable=import-outside-toplevel
+    gpu_compile.prepare(args.devices) if spec else fake_cpu_devices(args.devices)
   config = load_config(path, overrides, num_devices=args.devices)
-  e = estimate(config, args.devices, device_memory)
+  where = None
+  if spec:
+    where = target_budget(config, spec.target)
+    device_memory = device_memory or where[0]
+  with for_target(spec):  # The estimate's kernels are the target's (attention 'auto').
+    e = estimate(config, args.devices, device_memory)
   compiled = attributed = None
   if args.compile:
-    from zerojax import build, xla_dump  # pylint: disable=import-outside-toplevel
-    dump = tempfile.mkdtemp(prefix="zerojax_memory_")
-    try:  # The buffer assignment says what the temporaries at the peak are.
-      compiled = build.compiled_memory(build.build(config), dump_to=dump)
-      attributed = attribute(e.setup, xla_dump.live_at_peak(dump))
-    finally:
-      shutil.rmtree(dump, ignore_errors=True)
+    compiled, attributed = compile_and_attribute(config, e, spec)
   found = suggestions(e.setup, device_memory=device_memory)
+  fits = e.fits if not (spec and compiled) else (
+      compiled["arguments"] + compiled["temporaries"] <= device_memory)
   if args.json:
-    print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed, suggestions=[
+    print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed,
+                          target=str(spec) if spec else None, fits=fits, suggestions=[
         dict(change=x.change, overrides=x.overrides, total=x.estimate.total) for x in found])))
   else:
-    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides])))
-    if compiled:
+    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides]),
+                       gpu=bool(spec)))
+    if spec:
+      print(format_target_verdict(spec, where, device_memory, compiled))
+    elif compiled:
       print(f"(compiled in {compiled['seconds']:.1f} s on {args.devices} fake CPU devices)")
     text = format_suggestions(e, found)
     if text:
       print(text)
-  return 0 if not device_memory or e.fits else 1
+  return 0 if not device_memory or fits else 1
+
+
+def for_target(spec):
+  """The context a planner estimate for `spec` (None: this machine) runs in."""
+  import contextlib  # pylint: disable=import-outside-toplevel
+
+  from zerojax import gpu  # pylint: disable=import-outside-toplevel
+  return gpu.targeting() if spec else contextlib.nullcontext()
+
+
+def target_budget(config, target) -> tuple[int, float]:
+  """(bytes a device of `target` has for the step when train.py runs `config`, the
+  allocator's memory fraction)."""
+  from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
+  fraction = targets.memory_fraction(config)
+  return targets.budget(target, fraction), fraction
+
+
+def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
+  """The step compiled (for `spec`'s GPU with XLA's GPU compiler, else by XLA:CPU on this
+  process's devices) and its temporaries at the peak attributed to the planner's
+  components (read from the buffer assignment XLA dumps)."""
+  from zerojax import build, xla_dump  # pylint: disable=import-outside-toplevel
+  dump = tempfile.mkdtemp(prefix="zerojax_memory_")
+  try:
+    built = build.build(config)
+    if spec:
+      from zerojax.gpu import compile as gpu_compile  # pylint: disable=import-outside-toplevel
+      compiled = gpu_compile.compile_step(built, config, spec, dump_to=dump).memory
+    else:
+      compiled = build.compiled_memory(built, dump_to=dump)
+    return compiled, attribute(e.setup, xla_dump.live_at_peak(dump))
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)
+
+
+def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
+                          compiled: dict | None) -> str:
+  """Where the verdict's bytes come from on a GPU target, and (compiled) the verdict."""
+  from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
+  t = spec.target
+  pool, fraction = where
+  lines = [f"target {spec}: {spec.devices} x {t.device_kind}, {fmt_bytes(t.memory)} each; "
+           f"XLA's allocator takes {fraction:g} of it less {fmt_bytes(targets.CONTEXT_BYTES)} "
+           f"for the CUDA context = {fmt_bytes(pool)} per device"
+           + ("" if device_memory == pool else f" (--device-memory {fmt_bytes(device_memory)} "
+              "judged instead)")]
+  if compiled:
+    total = compiled["arguments"] + compiled["temporaries"]
+    host = compiled["host_arguments"]
+    lines.append(
+        f"XLA's GPU compiler ({compiled['seconds']:.1f} s; buffer assignment, nothing "
+        f"allocated): {fmt_bytes(total)} per device"
+        + (f" + {fmt_bytes(host)} of state in host memory "
+           f"({fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)" if host else "")
+        + f"; verdict: {'fits' if total <= device_memory else 'does NOT fit'} "
+        f"({'headroom' if total <= device_memory else 'short by'} "
+        f"{fmt_bytes(abs(device_memory - total))})")
+  return "\n".join(lines)
 
 
 def device_memory(device) -> int:

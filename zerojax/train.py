@@ -3,6 +3,7 @@
     python train.py                                     # configs/tiny.py on CPU, under 8 minutes
     python train.py --config configs/tiny.py --config.zero.stage=2 --workdir runs/x
     python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64
+    python train.py --config configs/70b_8x80gb.py --dry_run --target h100:8   # XLA's GPU compiler
     zerojax-train --config my_config.py                 # the same, from an installed package
 
 Read top-down: `setup` (config, data, the compiled step and its memory), `restore_or_init`,
@@ -17,7 +18,9 @@ and the held-out loss every train.eval_every steps; with a workdir the same numb
 to <workdir>/metrics.jsonl and TensorBoard (<workdir>/tb), and to W&B with
 logging.wandb.project (zerojax/metrics.py). `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
-`--fake_devices`) and exits. Bad command line, config or data: one `error:` line, exit
+`--fake_devices`) and exits; `--target h100:8` compiles it with XLA's GPU compiler for
+that GPU instead (zerojax.gpu: no GPU needed) and judges it against that GPU's memory as
+this trainer would run it there. Bad command line, config or data: one `error:` line, exit
 status 2, before the config is printed; on CPU a step larger than the host's free memory
 is refused the same way before anything is allocated (not in a dry run). Several
 processes (README, Multi-host): the same command on each; exit status 4 if they do not
@@ -100,6 +103,9 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
                       help="compile the step from abstract inputs, report memory, train nothing")
   parser.add_argument("--fake_devices", type=int, default=0,
                       help="run on this many fake CPU devices (set before JAX starts a backend)")
+  parser.add_argument("--target", default="",
+                      help="with --dry_run: compile for this GPU with XLA's GPU compiler, e.g. "
+                           "h100:8 or h100:2x8 (2 hosts of 8); zerojax.gpu.targets lists them")
   parser.add_argument("--workdir", default=None, help="overrides config.workdir")
   parser.add_argument("--stop_after", type=int, default=None, metavar="STEP",
                       help="after this step, save and exit as on SIGTERM (a preemption "
@@ -107,6 +113,14 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
   args = parser.parse_args(rest)
   if args.fake_devices < 0:
     parser.error(f"argument --fake_devices: {args.fake_devices} is not a number of devices")
+  args.target_spec = None
+  if args.target:
+    if not args.dry_run or args.fake_devices:
+      parser.error("--target compiles for a GPU without one: it takes --dry_run, not "
+                   "--fake_devices (the target names the device count: h100:8)")
+    from zerojax.gpu import compile as gpu_compile, targets  # noqa: PLC0415 (needs the extra)
+    args.target_spec = targets.parse(args.target)
+    gpu_compile.prepare(args.target_spec.devices)  # Before JAX starts a backend.
   if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
     # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
     # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.devices).
@@ -174,7 +188,14 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   # before anything is allocated, and the loop runs this same executable.
   built = build(config)
   start = time.perf_counter()
-  train_step, mem = compile_step(built)
+  spec = args.target_spec
+  if spec:  # XLA's GPU compiler, for a GPU this process does not have; nothing to run.
+    from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
+    train_step, mem = None, gpu_compile.compile_step(built, config, spec).memory
+    xla_lines = [f"target {spec}: compiled by XLA's GPU compiler with the XLA flag profile "
+                 f"{'on' if c.xla.gpu_profile else 'off'} (nothing allocated)"]
+  else:
+    train_step, mem = compile_step(built)
   del mem["seconds"]
   mesh, plan = built.mesh, built.plan
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
@@ -184,7 +205,10 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     span = processes_per_group(mesh, "fsdp")
     shape += (f" (fsdp spans {span} processes)" if span > 1 else
               " (fsdp inside each process: hybrid)")
-  report(f"devices {jax.device_count()} ({jax.devices()[0].device_kind})  "
+  kind = spec.target.device_kind if spec else jax.devices()[0].device_kind
+  for line in xla_lines if spec else ():
+    report(line)
+  report(f"devices {jax.device_count()} ({kind})  "
          f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
          f"tokens {_tokens(train_tokens) / 1e6:.1f}M+{_tokens(eval_tokens) / 1e6:.2f}M\n"
@@ -202,13 +226,17 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   # The memory planner's estimate beside the compiled numbers, and a verdict where the
   # device (or, on CPU, the host) says how much memory it has (python -m zerojax.memory
   # explains the rows).
-  estimate = memory.estimate(config, jax.device_count(),
-                             host // jax.local_device_count() if host else
-                             memory_report.device_memory(jax.devices()[0]))
+  where = memory_report.target_budget(config, spec.target) if spec else None
+  with memory_report.for_target(spec):  # The target's kernels (attention 'auto').
+    estimate = memory.estimate(config, jax.device_count(),
+                               where[0] if spec else host // jax.local_device_count() if host
+                               else memory_report.device_memory(jax.devices()[0]))
   found = memory.suggestions(estimate.setup, device_memory=estimate.device_memory)
-  report("\n".join(filter(None, [memory_report.format_table(estimate, mem, title=path),
-                                 memory_report.format_suggestions(estimate, found)])),
-         memory_estimate=estimate.total)
+  report("\n".join(filter(None, [
+      memory_report.format_table(estimate, mem, title=path, gpu=bool(spec)),
+      spec and memory_report.format_target_verdict(spec, where, where[0], dict(
+          mem, seconds=time.perf_counter() - start)),
+      memory_report.format_suggestions(estimate, found)])), memory_estimate=estimate.total)
   total += mem["host_arguments"]  # CPU devices' memory and host memory are one.
   if host and total * jax.local_device_count() > host:
     raise ConfigError(

@@ -18,6 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax import gpu as zerojax_gpu
+
 
 def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
             q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
@@ -78,7 +80,7 @@ def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> 
   dot_product materialises the T x T scores). Other names pass through."""
   if attention != "auto":
     return attention
-  gpu = (backend or jax.default_backend()) == "gpu"
+  gpu = (backend or zerojax_gpu.backend()) == "gpu"
   return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
 
 

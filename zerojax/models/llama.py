@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.core import FrozenDict
 
+from zerojax import gpu as zerojax_gpu
 from zerojax.models.attention import attention_kernel, blocked_attention
 from zerojax.models.chunked_loss import chunked_nll
 from zerojax.models.remat import POLICIES, named, policy
@@ -243,7 +244,7 @@ class Attention(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
-      cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+      cudnn = zerojax_gpu.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
       # Packed: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
       # turns into a [B, 1, T, T] bias (whole scores' size, in the compute dtype).
       mask = (None if segment_ids is None else

@@ -1,0 +1,136 @@
+"""The train step compiled by XLA's GPU compiler for a GPU target, on a machine without one.
+
+How, and why this way: JAX can describe a GPU topology without a GPU
+(`jax.experimental.topologies`, the CUDA plugin's compile-only client), but the devices
+it returns have no memory spaces, and JAX drops a sharding's `memory_kind` on such
+devices: the optimizer-state offload would silently compile as if nothing were
+offloaded. So the step is traced over a mesh of as many CPU devices (which do have
+`pinned_host`), lowered for CUDA (`lowering_platforms=('cuda',)`: CUDA's lowering rules,
+cuDNN's attention custom calls, the host moves as `annotate_device_placement`), and that
+module is compiled by the topology's compile-only client for the target's devices, with
+the compile options train.py's XLA flag profile gives. Partition k of the CPU mesh is
+device k of the topology in (host, id) order, as `mesh.make_mesh` lays out real devices.
+
+Call `prepare(n)` before JAX starts a backend: it makes the n CPU devices and lets the
+CUDA plugin load without a driver.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from zerojax import xla_flags
+from zerojax.devices import fake_cpu_devices
+from zerojax.gpu import targeting
+from zerojax.gpu.targets import TargetSpec, require_plugin
+
+
+class GpuCompiled(NamedTuple):
+  """What XLA's GPU compiler made: the optimized module's text and its per-device bytes.
+
+  `memory` has build.compile_step's keys: arguments (device memory), temporaries,
+  outputs, aliased, host_arguments (the offloaded state), seconds; plus host_outputs.
+  """
+  hlo: str
+  memory: dict
+  flags: dict  # The XLA debug options given (the flag profile), by name.
+
+
+def prepare(num_devices: int) -> None:
+  """Before JAX starts a backend: `num_devices` CPU devices to trace over, and the CUDA
+  plugin allowed to load without a GPU (its driver and version checks need one).
+
+  Raises:
+    ConfigError: the CUDA plugin is not installed (the `gpu-compile` extra).
+  """
+  require_plugin()
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  fake_cpu_devices(num_devices, memory_flags=False)
+
+
+def devices(spec: TargetSpec) -> list:
+  """The target's devices (compile-only), in (host, id) order."""
+  from jax.experimental import topologies  # noqa: PLC0415
+
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=spec.target.proto,
+                                            topology=spec.topology)
+  except Exception as err:  # noqa: BLE001  (the plugin's errors are plain RuntimeErrors)
+    raise RuntimeError(f"XLA's GPU client could not make the topology {spec}: {err}. "
+                       "zerojax.gpu.compile.prepare() must run before JAX starts a "
+                       "backend") from err
+  return sorted(topology.devices, key=lambda d: (d.process_index, d.id))
+
+
+def profile_options(config) -> dict[str, Any]:
+  """train.py's XLA flag profile for `config` on a GPU as compile options (an empty dict
+  with xla.gpu_profile=False); the user's XLA_FLAGS win, as in train.py."""
+  if not config.xla.gpu_profile:
+    return {}
+  profile = xla_flags.gpu_profile(xla_flags.layer_bytes(config))
+  chosen, _ = xla_flags.resolve(profile, os.environ.get("XLA_FLAGS", ""), xla_flags.known_flags(
+      xla_flags.forms(profile), environ=os.environ))
+  return dict(_option(f) for f in chosen)
+
+
+def _option(flag: str) -> tuple[str, Any]:
+  name, _, value = flag.lstrip("-").partition("=")
+  if value.lower() in ("true", "false"):
+    return name, value.lower() == "true"
+  return name, int(value) if value.isdigit() else value
+
+
+def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
+                   options: dict[str, Any] | None = None,
+                   dump_to: str | None = None) -> GpuCompiled:
+  """`jitted(*args)` (abstract args sharded over `mesh`, a mesh of CPU devices) compiled
+  by XLA's GPU compiler for `spec`'s devices.
+
+  Args:
+    jitted: a `jax.jit` function.
+    args: its arguments (`jax.ShapeDtypeStruct`s with shardings are enough).
+    mesh: the CPU mesh the args are sharded over; `spec.devices` devices.
+    spec: the GPU target and topology.
+    options: XLA debug options (`profile_options`).
+    dump_to: also dump the optimized module and its buffer assignment there.
+  """
+  from zerojax.gpu import compat  # noqa: PLC0415
+
+  if mesh.devices.size != spec.devices:
+    raise ValueError(f"the mesh has {mesh.devices.size} devices, the target {spec.devices}")
+  options = dict(options or {})
+  start = time.perf_counter()
+  with targeting("gpu"):
+    lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  targets = devices(spec)
+  dump = {} if dump_to is None else dict(xla_dump_to=dump_to, xla_dump_hlo_as_text=True,
+                                           xla_dump_hlo_module_re="jit_step")
+  executable = compat.compile_for(lowered, targets, {**options, **dump})
+  stats = executable.get_compiled_memory_stats()
+  memory = dict(arguments=stats.argument_size_in_bytes, temporaries=stats.temp_size_in_bytes,
+                outputs=stats.output_size_in_bytes, aliased=stats.alias_size_in_bytes,
+                host_arguments=stats.host_argument_size_in_bytes,
+                host_outputs=stats.host_output_size_in_bytes,
+                seconds=time.perf_counter() - start)
+  return GpuCompiled(executable.hlo_modules()[0].to_string(), memory, options)
+
+
+def compile_step(built, config, spec: TargetSpec, dump_to: str | None = None) -> GpuCompiled:
+  """`build.build(config)`'s train step compiled for `spec` with train.py's flags."""
+  return compile_jitted(built.train_step, (built.abstract_state, built.abstract_batch),
+                        built.mesh, spec, profile_options(config), dump_to)
+
+
+def compile_with_dump(built, config, spec: TargetSpec) -> tuple[GpuCompiled, str]:
+  """`compile_step` with a dump; returns the dump folder too (the caller removes it)."""
+  dump = tempfile.mkdtemp(prefix="zerojax_gpu_")
+  try:
+    return compile_step(built, config, spec, dump_to=dump), dump
+  except BaseException:
+    shutil.rmtree(dump, ignore_errors=True)
+    raise
