@@ -26,12 +26,14 @@ class Built(NamedTuple):
   abstract_batch: Any
 
 
-def build(config) -> Built:
+def build(config, devices=None) -> Built:
   """The run's mesh, model, optimizer, ZeRO plan, train step and abstract inputs.
 
   Args:
     config: a config validated for `jax.device_count()` devices
-      (`zerojax.config.load_config(..., num_devices=jax.device_count())`).
+      (`zerojax.config.load_config(..., num_devices=jax.device_count())`), or for
+      `len(devices)`.
+    devices: the devices of the mesh (default: all).
 
   Returns:
     A `Built`; `built.train_step.lower(built.abstract_state, built.abstract_batch)`
@@ -47,12 +49,12 @@ def build(config) -> Built:
   from zerojax.release import make_release_step  # pylint: disable=import-outside-toplevel
 
   c, t = config, config.train
-  mesh = mesh_from_config(c)
+  mesh = mesh_from_config(c, devices)
   model = models.from_config(c)
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
   loss_scaling = precision.loss_scaling_from_config(c.precision)
-  check_offload(c, jax.devices()[0])
+  check_offload(c, mesh.devices.flat[0])
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
                            tx, logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size,

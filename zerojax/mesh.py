@@ -106,9 +106,10 @@ def make_mesh(data: int = 1, fsdp: int = -1, *,
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def mesh_from_config(config) -> Mesh:
-  """The mesh of a validated config (`config.mesh.data`, `config.mesh.fsdp`)."""
-  return make_mesh(config.mesh.data, config.mesh.fsdp)
+def mesh_from_config(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The mesh of a validated config (`config.mesh.data`, `config.mesh.fsdp`) over
+  `devices` (default: all)."""
+  return make_mesh(config.mesh.data, config.mesh.fsdp, devices=devices)
 
 
 def processes_per_group(mesh: Mesh, axis: str = "fsdp") -> int:
