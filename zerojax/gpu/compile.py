@@ -49,6 +49,18 @@ def prepare(num_devices: int) -> None:
     ConfigError: the CUDA plugin is not installed (the `gpu-compile` extra).
   """
   require_plugin()
+  import sys  # noqa: PLC0415
+
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  if bridge is not None and getattr(bridge, "_backends", None):  # Started (a test, a REPL):
+    import jax  # noqa: PLC0415  fine if it already has these devices.
+
+    if jax.default_backend() != "cpu" or jax.device_count() != num_devices:
+      raise RuntimeError(f"a GPU-target compile of {num_devices} devices traces over as many "
+                         "CPU devices, and JAX already started with "
+                         f"{jax.device_count()} {jax.default_backend()} device(s): call "
+                         "zerojax.gpu.compile.prepare() before JAX starts a backend")
+    return
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
   fake_cpu_devices(num_devices, memory_flags=False)
 

@@ -358,6 +358,9 @@ class Suggestion:
   estimate: Estimate
 
 
+_ACCUMULATE = ("optimizer.release_accumulation=optimizer",)
+
+
 def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   """Changes that save memory, cheapest kind first; each kind's levels mildest first.
 
@@ -381,12 +384,13 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   order = _REMAT_ORDER if s.remat in _REMAT_ORDER else (s.remat, "full")
   kinds.append([(f"remat {r}", (f"model.remat={r}",), dict(remat=r))
                 for r in order[order.index(s.remat) + 1:]])
-  # What `validate._check_release` accepts: stage 3 over more than one shard, one
-  # microbatch, no float16.
-  if (not s.release and s.behaviour.stage == 3 and s.microbatches == 1
+  # What `validate._check_release` accepts: stage 3 over more than one shard, no float16;
+  # several microbatches with optimizer accumulation.
+  if (not s.release and s.behaviour.stage == 3
       and "float16" not in (s.param_dtype, s.compute_dtype)):
     kinds.append([("gradient release (stage 3, no global-norm clipping)",
-                   ("optimizer.release=True", "optimizer.grad_clip=0"), dict(release=True))])
+                   ("optimizer.release=True", "optimizer.grad_clip=0", *_ACCUMULATE * (
+                       s.microbatches > 1)), dict(release=True))])
   kinds.append([(f"{s.microbatches * k} microbatches of {s.batch // k} sequence(s) per device",
                  (f"train.microbatches={s.microbatches * k}",),
                  dict(microbatches=s.microbatches * k, batch=s.batch // k))
@@ -436,8 +440,8 @@ def suggestions(config, devices: int | None = None,
   changes, overrides, fields = [], (), {}
   for levels in kinds:  # Together, cheapest first, each kind at its strongest level.
     change, more, f = levels[-1]
-    if fields.get("release") and "microbatches" in f:
-      continue  # Release runs one microbatch a step.
+    if fields.get("release") and "microbatches" in f and _ACCUMULATE[0] not in overrides:
+      more = (*more, *_ACCUMULATE)  # Release's microbatches: optimizer accumulation.
     changes, overrides, fields = changes + [change], overrides + more, {**fields, **f}
     e = estimate(dataclasses.replace(s, **fields), device_memory=device_memory)
     if e.fits and not out:
