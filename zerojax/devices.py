@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from zerojax import jax_internals
+
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # XLA:CPU flags that make compiled memory resemble a GPU's: the memory-optimizing
@@ -50,8 +52,7 @@ def fake_cpu_devices(n: int, *flags: str, memory_flags: bool = True) -> None:
   Raises:
     RuntimeError: a JAX backend is already running.
   """
-  bridge = sys.modules.get("jax._src.xla_bridge")
-  if bridge is not None and getattr(bridge, "_backends", None):
+  if jax_internals.backends_started():
     raise RuntimeError("fake_cpu_devices must run before JAX starts a backend "
                        "(before jax.devices() or any computation)")
   os.environ.update(fake_devices_env(n, *(CPU_MEMORY_FLAGS if memory_flags else ()), *flags))

@@ -41,7 +41,7 @@ from typing import Any
 
 import jax
 
-from zerojax import exits, peers
+from zerojax import exits, jax_internals, peers
 from zerojax.config import ConfigError
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # JAX reads this one itself, too.
@@ -115,11 +115,7 @@ def _int_env(environ: Mapping[str, str], name: str) -> int | None:
 
 def _detect_cluster():
   """The first cluster environment JAX would auto-detect (SLURM, Open MPI, k8s, TPU)."""
-  try:
-    from jax._src import clusters  # pylint: disable=g-import-not-at-top
-  except ImportError:  # A JAX without the module: leave detection to JAX.
-    return None
-  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+  for env in jax_internals.cluster_types():  # None known: detection is left to JAX.
     if getattr(env, "opt_in_only_method", False):
       continue
     try:
@@ -330,8 +326,7 @@ def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | N
   setup = resolve(section)
   if setup is None or jax.distributed.is_initialized():  # E.g. a notebook did it already.
     return setup
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-  if xla_bridge.backends_are_initialized():
+  if jax_internals.backends_started():
     raise ConfigError("JAX was used before distributed.initialize, so this process cannot join "
                       f"the {setup.num_processes}-process run.", key="distributed",
                       source="the program", fix="call zerojax.distributed.initialize first")

@@ -28,7 +28,7 @@ import time
 
 import jax
 
-from zerojax import exits
+from zerojax import exits, jax_internals
 
 
 def leave(message: str, status: int) -> None:
@@ -65,8 +65,7 @@ _watch: _Watch | None = None
 def start(process_id: int, coordinator_host: str) -> None:
   """Starts the watch for this process (after `jax.distributed.initialize`)."""
   global _watch
-  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
-  client = jax_distributed.global_state.client
+  client = jax_internals.distributed_client()
   watch = _Watch(process_id, {})
   try:
     if process_id == 0:

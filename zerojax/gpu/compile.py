@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from zerojax import xla_flags
+from zerojax import jax_internals, xla_flags
 from zerojax.devices import fake_cpu_devices
 from zerojax.gpu import targeting
 from zerojax.gpu.targets import TargetSpec, require_plugin
@@ -49,10 +49,7 @@ def prepare(num_devices: int) -> None:
     ConfigError: the CUDA plugin is not installed (the `gpu-compile` extra).
   """
   require_plugin()
-  import sys  # noqa: PLC0415
-
-  bridge = sys.modules.get("jax._src.xla_bridge")
-  if bridge is not None and getattr(bridge, "_backends", None):  # Started (a test, a REPL):
+  if jax_internals.backends_started():  # Started (a test, a REPL):
     import jax  # noqa: PLC0415  fine if it already has these devices.
 
     if jax.default_backend() != "cpu" or jax.device_count() != num_devices:

@@ -1,0 +1,122 @@
+"""Per-device bytes from XLA's GPU compiler for the shipped configs and the README's 70B
+table, beside the planner's (and XLA:CPU's with --cpu): no GPU needed.
+
+    python benchmarks/gpu_targets.py            # ~3 min on 2 cores -> results/gpu_targets.json
+    python benchmarks/gpu_targets.py --cpu      # + XLA:CPU's compile of each (~+4 min)
+    python benchmarks/gpu_targets.py --rows 70b # only the rows whose label has "70b"
+
+Each row is compiled as train.py would compile it on that GPU (`zerojax.gpu`: the XLA
+flag profile, cuDNN attention) and judged against the memory XLA's allocator has there
+(`zerojax.gpu.targets.budget`). planner/GPU is the calibration WORKSPACE.md tabulates.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ADAMW = ("optimizer.name=adamw", "optimizer.b2=0.95")
+# (label, config, overrides, target): the README's 70B table (8 x H100), its 8 x A100 40GB
+# row (`python -m zerojax.gpu.fit --config configs/70b_bf16.py --targets a100_40gb
+# --devices 8 --compile` chose it), then each shipped GPU config at its intended hardware.
+ROWS = [
+    ("70b: Lion + Kahan + release", "70b_8x80gb", (), "h100:8"),
+    ("70b: AdamW + Kahan + release + offload", "70b_8x80gb", (*ADAMW, "optimizer.offload=host"),
+     "h100:8"),
+    ("70b: AdamW + Kahan + release", "70b_8x80gb", ADAMW, "h100:8"),
+    ("70b: Lion + Kahan, no release", "70b_8x80gb", ("optimizer.release=False",), "h100:8"),
+    ("70b: AdamW + Kahan, no release", "70b_8x80gb", ("optimizer.release=False", *ADAMW),
+     "h100:8"),
+    ("70b: Lion + stochastic rounding + release", "70b_8x80gb",
+     ("optimizer.update_rule=stochastic",), "h100:8"),
+    ("70b: Lion + Kahan + release, no XLA flag profile", "70b_8x80gb",
+     ("xla.gpu_profile=False",), "h100:8"),
+    ("70b: AdamW + Kahan + release x8 microbatches + offload", "70b_bf16",
+     ("optimizer.release=True", "optimizer.grad_clip=0", "train.microbatches=8",
+      "optimizer.release_accumulation=optimizer", "optimizer.offload=host"), "a100_40gb:8"),
+    ("configs/70b_8x80gb.py", "70b_8x80gb", (), "h100:8"),
+    ("configs/70b_bf16.py (16, batch 16)", "70b_bf16", ("train.global_batch_size=16",),
+     "h100:16"),
+    ("configs/70b_bf16.py", "70b_bf16", (), "h100:64"),
+    ("configs/8b_bf16.py", "8b_bf16", (), "h100:8"),
+    ("configs/1b_bf16.py", "1b_bf16", (), "h200:1"),
+    ("configs/125m_quality.py", "125m_quality", (), "h200:1"),
+]
+
+
+def measure(label, name, overrides, target, cpu):
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from zerojax import build, gpu, memory, memory_report  # pylint: disable=import-outside-toplevel
+  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
+  from zerojax.gpu import compile as gpu_compile, targets  # pylint: disable=import-outside-toplevel
+
+  spec = targets.parse(target)
+  config = load_config(os.path.join(ROOT, "configs", f"{name}.py"), list(overrides),
+                       num_devices=spec.devices)
+  budget, fraction = memory_report.target_budget(config, spec.target)
+  with gpu.targeting():
+    e = memory.estimate(config, spec.devices, budget)
+  built = build.build(config, jax.devices()[:spec.devices])
+  start = time.perf_counter()
+  out = gpu_compile.compile_step(built, config, spec).memory
+  row = dict(label=label, config=f"configs/{name}.py", overrides=list(overrides),
+             target=str(spec), device_kind=spec.target.device_kind, budget=budget,
+             memory_fraction=fraction, planner=e.total, planner_host=e.host_total,
+             gpu=out["arguments"] + out["temporaries"], gpu_arguments=out["arguments"],
+             gpu_temporaries=out["temporaries"], gpu_host=out["host_arguments"],
+             gpu_seconds=time.perf_counter() - start)
+  row["fits"] = row["gpu"] <= budget
+  row["planner_over_gpu"] = row["planner"] / row["gpu"]
+  if cpu:
+    mem = build.compiled_memory(built)
+    row["cpu"] = mem["arguments"] + mem["temporaries"]
+  return row
+
+
+def table(rows):
+  from zerojax.testing import markdown_table  # pylint: disable=import-outside-toplevel
+  from zerojax.units import fmt_bytes  # pylint: disable=import-outside-toplevel
+
+  host = lambda n: f" + {fmt_bytes(n)} host" if n else ""
+  cpu = any("cpu" in r for r in rows)
+  head = ["row", "target", "planner", "XLA's GPU compiler", "planner / GPU", "budget", "fits"]
+  head += ["XLA:CPU"] if cpu else []
+  body = [[r["label"], r["target"], fmt_bytes(r["planner"]) + host(r["planner_host"]),
+           fmt_bytes(r["gpu"]) + host(r["gpu_host"]), f"{r['planner_over_gpu']:.3f}",
+           fmt_bytes(r["budget"]), "yes" if r["fits"] else "no"]
+          + ([fmt_bytes(r["cpu"]) if "cpu" in r else "-"] if cpu else []) for r in rows]
+  return markdown_table(head, body)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--cpu", action="store_true", help="also compile each row with XLA:CPU")
+  ap.add_argument("--rows", default="", help="only rows whose label contains this")
+  ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
+                                                "gpu_targets.json"))
+  args = ap.parse_args(argv)
+  rows = [r for r in ROWS if args.rows in r[0]]
+  from zerojax.devices import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
+  from zerojax.gpu import compile as gpu_compile, targets  # pylint: disable=import-outside-toplevel
+  # The most devices any row traces over; with XLA:CPU's memory flags for --cpu's column
+  # (they change nothing in the GPU compile).
+  devices = max(targets.parse(t).devices for *_, t in rows)
+  gpu_compile.prepare(devices)
+  os.environ["XLA_FLAGS"] += " " + " ".join(CPU_MEMORY_FLAGS)
+  results = []
+  for row in rows:
+    results.append(measure(*row, args.cpu))
+    print(json.dumps(results[-1]), flush=True)
+  import jax  # pylint: disable=import-outside-toplevel
+  with open(args.out, "w") as f:
+    json.dump(dict(jax=jax.__version__, rows=results), f, indent=1)
+  print(table(results))
+
+
+if __name__ == "__main__":
+  main()

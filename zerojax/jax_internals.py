@@ -1,0 +1,58 @@
+"""Every JAX and orbax internal zerojax leans on, and what it does without each.
+
+JAX's public API has no answer to a few questions a trainer must ask; each answer lives
+here, guarded, so a JAX that moves an internal gets a fallback or a clear error naming
+this file instead of a crash deep in a run. Tested with jax 0.10.2 (CI; the newest the
+package index here serves); the pins allow up to 0.11.x (round 1's H200 run used 0.11.2).
+
+Each internal, what it is used for, and what happens without it:
+
+- `jax._src.xla_bridge._backends`: has a backend started? (XLA reads XLA_FLAGS then, so
+  fake devices, the GPU-target compile and `distributed.initialize` must come first).
+  Without it: assumed not started, and a late call's flags are silently ignored.
+- `jax._src.distributed.global_state.client`: `jax.distributed`'s key-value store (the
+  peer watch's port). Without it: a `RuntimeError` naming this file.
+- `jax._src.clusters.ClusterEnv._cluster_types`: which cluster (SLURM, Open MPI, k8s) JAX
+  would detect, to report it. Without it: detection is left to JAX, unreported.
+- `jax._src.compiler.get_compile_options`, `Lowered._lowering.compile_args`,
+  `jax._src.lib.xla_client.DeviceList`: the GPU-target compile (`zerojax/gpu/compat.py`).
+  Without them: `UnsupportedJax` naming that file.
+- `jax._src.lib.cuda_versions`: the CUDA plugin's cuDNN and runtime versions for a GPU
+  target. Without it: the target config without them (XLA's defaults).
+- `orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop`: a failed save's sibling
+  writes run to their end (`checkpoint.py`). Without it: orbax's own behaviour.
+
+Behaviour (not modules) a version change could alter, each tested: `jax.device_put` to a
+memory space inside `jit` (offload), `jax.nn.dot_product_attention(implementation=)`
+(cuDNN), `jax.shard_map(check_vma=)`, XLA's flag names (`zerojax.xla_flags` asks the
+installed XLA which forms it knows).
+"""
+
+import sys
+
+
+def backends_started() -> bool:
+  """Whether JAX has started a backend in this process (its XLA flags are then fixed)."""
+  bridge = sys.modules.get("jax._src.xla_bridge")
+  return bool(bridge is not None and getattr(bridge, "_backends", None))
+
+
+def distributed_client():
+  """The `jax.distributed` key-value store client of this process (None before
+  `jax.distributed.initialize`)."""
+  try:
+    from jax._src import distributed  # noqa: PLC0415
+    return distributed.global_state.client
+  except (ImportError, AttributeError) as err:
+    import jax  # noqa: PLC0415
+    raise RuntimeError(f"jax {jax.__version__} keeps jax.distributed's key-value store where "
+                       "zerojax does not look (zerojax/jax_internals.py)") from err
+
+
+def cluster_types() -> list:
+  """JAX's cluster environments in its detection order ([] where JAX has none to tell)."""
+  try:
+    from jax._src import clusters  # noqa: PLC0415
+    return list(clusters.ClusterEnv._cluster_types)  # noqa: SLF001
+  except (ImportError, AttributeError):
+    return []
