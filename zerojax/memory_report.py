@@ -223,6 +223,7 @@ def _main(argv: list[str]) -> int:
     from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
     spec = targets.parse(args.target, args.devices)
     args.devices = spec.devices
+    targets.without_driver()
   if not args.devices:
     raise ConfigError("no device count given.", source="the command line",
                       fix="pass --devices N, or --target NAME:N (e.g. --target h100:8)")

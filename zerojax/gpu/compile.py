@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from zerojax import jax_internals, xla_flags
 from zerojax.devices import fake_cpu_devices
 from zerojax.gpu import targeting
-from zerojax.gpu.targets import TargetSpec, require_plugin
+from zerojax.gpu.targets import TargetSpec, require_plugin, without_driver
 
 
 class GpuCompiled(NamedTuple):
@@ -58,7 +58,7 @@ def prepare(num_devices: int) -> None:
                          f"{jax.device_count()} {jax.default_backend()} device(s): call "
                          "zerojax.gpu.compile.prepare() before JAX starts a backend")
     return
-  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+  without_driver()
   fake_cpu_devices(num_devices, memory_flags=False)
 
 

@@ -152,6 +152,7 @@ def _main(argv: list[str]) -> int:
   if any(n < 1 or (n > 8 and n % 8) for n in counts):
     p.error(f"--devices {args.devices}: counts above 8 are whole hosts of 8")
   chosen = [targets.load(t) for t in args.targets.split(",")]
+  targets.without_driver()
   if args.compile:
     from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
     gpu_compile.prepare(max(counts))

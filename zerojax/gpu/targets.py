@@ -144,6 +144,13 @@ def budget(target: Target, fraction: float) -> int:
   return int(fraction * (target.memory - CONTEXT_BYTES))
 
 
+def without_driver() -> None:
+  """Lets JAX's CUDA plugin load without a GPU: at JAX's start it checks the driver and
+  CUDA libraries, which fails (a logged traceback) where there is none. Call before JAX
+  starts a backend; on a GPU machine it skips only those version checks."""
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+
 def plugin_installed() -> bool:
   """Whether JAX's CUDA plugin (which holds XLA's GPU compiler) is installed."""
   try:
