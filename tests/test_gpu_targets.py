@@ -179,3 +179,17 @@ def test_the_h200_compile_matches_the_device_peaks_measured_on_an_h200(run):
       targets.parse("h200:1"), {"xla_gpu_enable_latency_hiding_scheduler": True})
   compiled = out.memory["arguments"] + out.memory["temporaries"]
   assert abs(compiled / run["device_peak_bytes"] - 1) < 0.01, (compiled, run["device_peak_bytes"])
+
+
+def test_a_step_compiled_for_cpu_and_for_a_target_keeps_each_ones_kernels():
+  """The attention kernel is chosen while tracing (cuDNN for a GPU target, the blocked
+  loop on CPU) and JAX's trace cache does not know the choice: in one process, the same
+  jitted step lowered for this CPU, compiled for a target, and lowered again must each
+  get their own kernel, not a cached trace of the other's."""
+  config = load_config(os.path.join(ROOT, "configs", "tiny.py"), ["zero.stage=3"],
+                       num_devices=8)
+  built = build.build(config)
+  cpu = lambda: built.train_step.lower(built.abstract_state, built.abstract_batch).as_text()
+  assert "cudnn" not in cpu()
+  assert "__cudnn$fmha" in gpu_compile.compile_step(built, config, targets.parse(H100)).hlo
+  assert "cudnn" not in cpu()

@@ -114,8 +114,15 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
     raise ValueError(f"the mesh has {mesh.devices.size} devices, the target {spec.devices}")
   options = dict(options or {})
   start = time.perf_counter()
-  with targeting("gpu"):
-    lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  # The choices `backend()` answers (cuDNN attention) are made while tracing, and JAX's
+  # trace cache does not know them: a trace for the target must neither reuse one made
+  # for this process's CPU nor be reused by it.
+  jitted.clear_cache()
+  try:
+    with targeting("gpu"):
+      lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    jitted.clear_cache()
   targets = devices(spec)
   dump = {} if dump_to is None else dict(xla_dump_to=dump_to, xla_dump_hlo_as_text=True,
                                            xla_dump_hlo_module_re="jit_step")
