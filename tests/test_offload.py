@@ -122,8 +122,9 @@ def _subjaxprs(eqn):
 
 
 # Reading a host value is allowed only to slice it and move it; reshapes (a layer's
-# squeeze, its expansion before the write back) and control flow pass values through.
-MOVE_ONLY = {"device_put", "dynamic_slice", "dynamic_update_slice", "squeeze",
+# squeeze, its expansion before the write back, release's stacks as rows) and control
+# flow pass values through.
+MOVE_ONLY = {"device_put", "dynamic_slice", "dynamic_update_slice", "squeeze", "reshape",
              "broadcast_in_dim", "jit", "scan", "while", "shard_map"}
 
 

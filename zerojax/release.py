@@ -242,14 +242,15 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # gathers out of the loop, but costs a copy of the stack in them (15.8 GiB a device
     # for the 70B at 8 devices); that pass is off where memory counts
     # (`devices.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
+    # Both loops read the stacks as rows (`updates.LayerViews`: no whole-stack relayout).
+    views = updates.LayerViews(plan, params, opt_state, depth, rows=True)
+    rows = views.rows(params)
     x, inputs = jax.lax.scan(
-        lambda x, layer: (parts.layer(gathered(layer), x), jax.tree.map(stage3.to_bits, x)),
-        x, params[stack])
+        lambda x, i: (parts.layer(gathered(views.params(rows, i)[stack]), x),
+                      jax.tree.map(stage3.to_bits, x)), x, jnp.arange(depth))
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
-
-    views = updates.LayerViews(plan, params, opt_state, depth)
 
     def body(k, carry):
       ct, p, s, skipped, grad_sq, update_sq = carry
@@ -272,8 +273,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
               update_sq + jnp.where(finite, update_squares, 0.0))
 
     zero_sq = jnp.zeros((), jnp.float32)
-    ct, p, s, skipped, grad_sq, update_sq = jax.lax.fori_loop(
-        0, depth, body, (ct, params, opt_state, jnp.zeros((), jnp.int32), zero_sq, zero_sq))
+    ct, p, s, skipped, grad_sq, update_sq = jax.lax.fori_loop(0, depth, body, (
+        ct, rows, views.state_rows(opt_state), jnp.zeros((), jnp.int32), zero_sq, zero_sq))
+    p, s = views.from_rows(p), views.state_from_rows(s)
 
     (d_embed,) = embed_vjp(ct)
     d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims)

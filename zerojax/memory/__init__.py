@@ -54,7 +54,7 @@ import functools
 import math
 import re
 
-from zerojax import models
+from zerojax import gpu as zerojax_gpu, models
 from zerojax.models import remat as remat_policies
 from zerojax.models.attention import attention_kernel
 from zerojax.zero import StageBehaviour, local_shape, shard_dim
@@ -319,7 +319,11 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
   if behaviour.shards_params:
-    gathered = counts.layers // L * 4  # One layer, gathered (XLA:CPU gathers in fp32).
+    # One layer, gathered: XLA:CPU gathers in fp32; a GPU in the param dtype, and the
+    # normal step's pipelined gather (the flag profile) has the next layer in flight
+    # (two at its peak, read from XLA's GPU buffer assignment; release's peak has one).
+    gathered = counts.layers // L * (
+        pb * (1 if s.release else 2) if zerojax_gpu.backend() == "gpu" else 4)
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
     vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0
   else:
