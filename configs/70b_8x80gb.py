@@ -2,7 +2,7 @@
 
     python train.py --config configs/70b_8x80gb.py --config.init_from=/path/to/Llama-3.1-70B \
         --config.data.name=tokens --config.data.path=...
-    python train.py --config configs/70b_8x80gb.py --dry_run --fake_devices 8   # compile only
+    python train.py --config configs/70b_8x80gb.py --dry_run --target h100:8   # compile only
 
 `configs/70b_bf16.py` (shapes, bf16, ZeRO-3, remat 'full', seq 4096) with what differs:
 
@@ -13,9 +13,10 @@
   It runs one microbatch a step and without global-norm clipping (`grad_clip=0`);
 * one 4096-token sequence per device: a global batch of 8.
 
-Measured on 8 fake CPU devices (XLA:CPU, `--dry_run`, which compiles without
-allocating): 49.28 GiB of state + 15.52 GiB of temporaries = 64.80 GiB a device
-compiled (an 80 GB device has 74.5 GiB); the planner's estimate 66.64 GiB (1.028).
+Compiled by XLA's GPU compiler for 8 x H100 80GB (`--dry_run --target h100:8`, no GPU
+needed, nothing allocated; the `gpu-compile` extra): 49.28 GiB of state + 13.30 GiB of
+temporaries = 62.58 GiB a device, where XLA's allocator has 74.72 GiB of an H100 as
+train.py runs it; the planner's estimate 65.35 GiB (1.044).
 """
 
 import importlib.util
