@@ -319,9 +319,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
   if behaviour.shards_params:
-    # One layer, gathered: XLA:CPU gathers in fp32; a GPU in the param dtype, and the
-    # normal step's pipelined gather (the flag profile) has the next layer in flight
-    # (two at its peak, read from XLA's GPU buffer assignment; release's peak has one).
+    # One layer gathered: in fp32 by XLA:CPU; by a GPU in the param dtype, two at the normal
+    # step's peak (its pipelined gather), one at release's (XLA's GPU buffer assignment).
     gathered = counts.layers // L * (
         pb * (1 if s.release else 2) if zerojax_gpu.backend() == "gpu" else 4)
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
