@@ -18,8 +18,6 @@ CUDA plugin load without a driver.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -140,13 +138,3 @@ def compile_step(built, config, spec: TargetSpec, dump_to: str | None = None) ->
   """`build.build(config)`'s train step compiled for `spec` with train.py's flags."""
   return compile_jitted(built.train_step, (built.abstract_state, built.abstract_batch),
                         built.mesh, spec, profile_options(config), dump_to)
-
-
-def compile_with_dump(built, config, spec: TargetSpec) -> tuple[GpuCompiled, str]:
-  """`compile_step` with a dump; returns the dump folder too (the caller removes it)."""
-  dump = tempfile.mkdtemp(prefix="zerojax_gpu_")
-  try:
-    return compile_step(built, config, spec, dump_to=dump), dump
-  except BaseException:
-    shutil.rmtree(dump, ignore_errors=True)
-    raise
