@@ -192,8 +192,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   if spec:  # XLA's GPU compiler, for a GPU this process does not have; nothing to run.
     from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
     train_step, mem = None, gpu_compile.compile_step(built, config, spec).memory
-    xla_lines = [f"target {spec}: compiled by XLA's GPU compiler with the XLA flag profile "
-                 f"{'on' if c.xla.gpu_profile else 'off'} (nothing allocated)"]
+    report(f"target {spec}: compiled by XLA's GPU compiler with the XLA flag profile "
+           f"{'on' if c.xla.gpu_profile else 'off'} (nothing allocated)")
   else:
     train_step, mem = compile_step(built)
   del mem["seconds"]
@@ -206,8 +206,6 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     shape += (f" (fsdp spans {span} processes)" if span > 1 else
               " (fsdp inside each process: hybrid)")
   kind = spec.target.device_kind if spec else jax.devices()[0].device_kind
-  for line in xla_lines if spec else ():
-    report(line)
   report(f"devices {jax.device_count()} ({kind})  "
          f"processes {jax.process_count()}  mesh {shape}  "
          f"stage {c.zero.stage}  params {n_params / 1e6:,.2f}M  "
