@@ -189,7 +189,7 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
   tx = optim.adamw(1e-2)
   plan = make(model, tx)
   parts = model.layered()
-  poisoned = parts._replace(layer=lambda p, x: parts.layer(p, x) + 0 * jnp.sum(
+  poisoned = parts._replace(layer=lambda p, x, b: parts.layer(p, x, b) + 0 * jnp.sum(
       jnp.sqrt(p["norm"])))
   params = model.init(jax.random.split(jax.random.key(0))[0])
   params["layers"]["norm"] = params["layers"]["norm"].at[1, 0].set(0.0)

@@ -62,12 +62,15 @@ class LayeredLoss(NamedTuple):
   """A loss cut at its layer loop: what gradient release needs from a model.
 
   `loss(params, batch) = head_loss(rest, layer(params[stack][L-1], ... layer(
-  params[stack][0], embed(rest, batch))), batch)`, where `rest` is `params` without
-  the `stack` key. Every function sees plain arrays (gathered, in the param dtype).
+  params[stack][0], embed(rest, batch), batch) ..., batch), batch)`, where `rest` is
+  `params` without the `stack` key. Every function sees plain arrays (gathered, in the
+  param dtype). Every layer gets the (microbatch's) batch: what each layer reads of it
+  besides the carry (packed examples' positions and segment ids) is an input of the
+  step, the same for every layer, so it is passed, never carried or differentiated.
 
   Attributes:
     embed: `(rest, batch) -> carry`, the input of the first layer (any pytree).
-    layer: `(layer_params, carry) -> carry`, one layer.
+    layer: `(layer_params, carry, batch) -> carry`, one layer.
     head_loss: `(rest, carry, batch) -> loss`, a scalar: the mean over the examples.
     stack: the top-level key of the params dict that holds the layer stack (every
       leaf below it has a leading layers axis; no other leaf has one).
@@ -246,7 +249,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     views = updates.LayerViews(plan, params, opt_state, depth, rows=True)
     rows = views.rows(params)
     x, inputs = jax.lax.scan(
-        lambda x, i: (parts.layer(gathered(views.params(rows, i)[stack]), x),
+        lambda x, i: (parts.layer(gathered(views.params(rows, i)[stack]), x, batch),
                       jax.tree.map(stage3.to_bits, x)), x, jnp.arange(depth))
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
@@ -259,7 +262,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       x = jax.tree.map(stage3.from_bits,
                        jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
                            a, i, keepdims=False), inputs), ct)
-      _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x), cast(layer_p[stack]), x)
+      _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
+                       x)
       g, ct = vjp(ct)
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))

@@ -264,10 +264,6 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
        "float16: dynamic loss scaling (precision.loss_scale) finds an overflow only after "
        "layers were updated, and cannot undo them",
        "use precision.param_dtype and precision.compute_dtype 'bfloat16'"),
-      ("data.pack", config.data.name == "sft" and config.data.pack,
-       "data.name='sft' and data.pack=True: packed examples' positions and segment ids "
-       "would be inputs of every layer, which release does not carry yet",
-       "set data.pack=False (one example per row, padded)"),
   ]
   for key, bad, problem, fix in problems:
     if bad:

@@ -477,20 +477,20 @@ class LlamaLM:
     return logits(self.config, params, tokens)
 
   def layered(self) -> LayeredLoss:
-    """`loss` cut at its layer loop, for gradient release (`zerojax.release`). The
-    rotary tables are made inside each layer from the sequence length: constants, so
-    nothing differentiates them and no layer input saves them. Hence unpacked batches
-    only (a loss mask is fine): packed positions / segment ids would be layer inputs."""
+    """`loss` cut at its layer loop, for gradient release (`zerojax.release`). Every
+    layer reads the batch's positions and segment ids (packed examples) and makes its
+    rotary tables from them: inputs of the batch, so nothing differentiates them and no
+    layer input saves them."""
     c = self.config
 
-    def embed(rest, batch):
-      if "segment_ids" in batch or "positions" in batch:
-        raise ValueError("gradient release takes unpacked batches (data.pack=False)")
-      return Llama(c).apply({"params": rest}, batch["tokens"][:, :-1],
-                            method=lambda m, t: m.embed_tokens(t))
+    def layer(p, x, batch):
+      positions = batch.get("positions", x.shape[1])
+      return apply_block(c, p, x, *rope_tables(c, positions), batch.get("segment_ids"))
 
     return LayeredLoss(
-        embed=embed, layer=lambda p, x: apply_block(c, p, x, *rope_tables(c, x.shape[1])),
+        embed=lambda rest, batch: Llama(c).apply(
+            {"params": rest}, batch["tokens"][:, :-1], method=lambda m, t: m.embed_tokens(t)),
+        layer=layer,
         head_loss=lambda rest, x, batch: head_loss(c, rest, x, batch["tokens"][:, 1:],
                                                    batch.get("loss_mask")),
         stack="layers")

@@ -140,7 +140,7 @@ class MlpLM:
     """`loss` cut at its layer loop, for gradient release (`zerojax.release`)."""
     return LayeredLoss(
         embed=lambda rest, batch: self.embed(rest, batch["tokens"][:, :-1]),
-        layer=self.block,
+        layer=lambda p, x, batch: self.block(p, x),
         head_loss=lambda rest, x, batch: _nll(self.head(rest, x), batch["tokens"]),
         stack="layers")
 
