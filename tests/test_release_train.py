@@ -3,12 +3,14 @@ cannot do exits 2 naming the keys."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import zerojax.train
 from zerojax import exits
 from zerojax.devices import fake_devices_env
 
@@ -144,11 +146,25 @@ def test_release_on_2_processes_matches_1_process(tmp_path):
     (("--config.optimizer.release=False", "--config.optimizer.release_accumulation=optimizer"),
      "optimizer.release_accumulation", ""),
 ])
-def test_what_release_cannot_do_exits_2_naming_the_keys(tmp_path, overrides, key, also):
-  result = run_train(*MLP, "--config.optimizer.release=True", *overrides,
-                     f"--config.workdir={tmp_path}", timeout=120)
-  assert result.returncode == exits.BAD_INPUT, result.stderr[-2000:]
-  lines = result.stderr.strip().splitlines()
-  assert lines[0].startswith("error: ") and key in lines[0], lines
-  assert also in result.stderr, lines
-  assert "optimizer.release" in result.stderr and "Traceback" not in result.stderr
+def test_what_release_cannot_do_exits_2_and_each_fix_it_prints_starts(
+    tmp_path, capsys, overrides, key, also):
+  """train.py (in this process: `zerojax.train.main`) exits 2 with one `error:` line
+  naming the keys, no traceback; then each alternative of its `fix:` line, applied as
+  overrides, gives a run that starts (a dry run: the step compiles). A fix that is not
+  overrides (`use x > 0`) fails here."""
+  args = (*MLP, "--config.optimizer.release=True", *overrides)
+  with pytest.raises(SystemExit) as exit_:
+    zerojax.train.main([*args, f"--config.workdir={tmp_path}"])
+  assert exit_.value.code == exits.BAD_INPUT
+  errors = capsys.readouterr().err.strip().splitlines()
+  assert errors[0].startswith("error: ") and key in errors[0], errors
+  assert also in "\n".join(errors), errors
+  assert "optimizer.release" in "\n".join(errors) and "Traceback" not in "\n".join(errors)
+  (fix,) = [line.strip() for line in errors if line.strip().startswith("fix: set ")]
+  alternatives = fix.removeprefix("fix: set ").split(", or ")
+  assert alternatives, fix
+  for alternative in alternatives:
+    assignments = re.sub(r" \(.*\)$", "", alternative).split(" and ")
+    assert all(re.fullmatch(r"[a-z_]+(\.[a-z_]+)+=\S+", a) for a in assignments), fix
+    code = zerojax.train.main([*args, *(f"--config.{a}" for a in assignments), "--dry_run"])
+    assert code == exits.DONE, (alternative, capsys.readouterr().err[-2000:])

@@ -9,6 +9,7 @@ is `zerojax.mesh.resolve_shape`'s.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import os
@@ -21,6 +22,7 @@ from zerojax.config_schema import (
   check_tree,
   check_value,
   flatten,
+  parent_of,
   schema,
   source_of,
 )
@@ -224,61 +226,99 @@ def _check_logging(config: ml_collections.ConfigDict, source: Source) -> None:
                         fix="set --config.logging.wandb.project=NAME too")
 
 
-def _check_release(config: ml_collections.ConfigDict, fsdp: int | None,
-                   source: Source) -> None:
-  """What gradient release (`zerojax.release`) cannot do yet, named by its keys."""
-  if not config.optimizer.release:
+def _override(value: object) -> str:
+  """A value as an override writes it: strings quoted, the rest as Python prints them."""
+  return repr(value) if isinstance(value, str) else f"{value}"
+
+
+def _fixes(config: ml_collections.ConfigDict, num_devices: int | None,
+           alternatives: list[dict[str, object]], why: str = "") -> str:
+  """The `alternatives` (each {dotted key: value}) with which the config validates,
+  written as overrides ("set a=1 and b='x' (why), or c=0"): a suggested fix is never
+  itself an error. `why` explains the first alternative."""
+  working = []
+  for i, changes in enumerate(alternatives):
+    candidate = copy.deepcopy(config)
+    for key, value in changes.items():
+      parent, name = parent_of(candidate, key)
+      parent[name] = value
+    try:
+      validate(candidate, num_devices=num_devices, check_fixes=False)
+    except ConfigError:
+      continue
+    working.append(" and ".join(f"{k}={_override(v)}" for k, v in changes.items())
+                   + (f" ({why})" if why and i == 0 else ""))
+  return "set " + ", or ".join(working) if working else ""
+
+
+def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: Source,
+                   num_devices: int | None, check_fixes: bool) -> None:
+  """What gradient release (`zerojax.release`) cannot do yet, named by its keys. Each fix
+  is a list of alternative overrides; only those that validate are printed."""
+  o, p = config.optimizer, config.precision
+  fixes = lambda *alternatives, why="": (
+      _fixes(config, num_devices, list(alternatives), why) if check_fixes else None)
+  # Turning release off also resets the keys only release reads.
+  off = {"optimizer.release": False, **{f"optimizer.{k}": "none" for k in (
+      "release_accumulation", "release_clipping") if o[k] != "none"}}
+  if not o.release:
     for key in ("release_accumulation", "release_clipping"):
-      if config.optimizer[key] != "none":
-        raise ConfigError(f"is {config.optimizer[key]!r}, but optimizer.release=False: only "
+      if o[key] != "none":
+        raise ConfigError(f"is {o[key]!r}, but optimizer.release=False: only "
                           "gradient release reads it.", key=f"optimizer.{key}",
                           source=source_of(source, f"optimizer.{key}", "optimizer.release"),
-                          fix=f"set optimizer.release=True, or optimizer.{key}='none'")
+                          fix=fixes({f"optimizer.{key}": "none"}, {"optimizer.release": True}))
     return
-  o, p = config.optimizer, config.precision
   where = lambda key: source_of(source, key, "optimizer.release")
   accumulate, clip = o.release_accumulation == "optimizer", o.release_clipping != "none"
   problems = [
       ("zero.stage", config.zero.stage != 3,
-       f"zero.stage={config.zero.stage}: release updates stage-3 shards", "use zero.stage=3"),
+       f"zero.stage={config.zero.stage}: release updates stage-3 shards",
+       [{"zero.stage": 3}], ""),
       ("mesh.fsdp", fsdp == 1, "mesh.fsdp=1: with one shard stage 3 runs as stage 0",
-       "use mesh.fsdp > 1"),
+       [{"mesh.data": 1, "mesh.fsdp": -1}], "every device a ZeRO shard"),
       ("train.microbatches", config.train.microbatches != 1 and not accumulate,
        f"train.microbatches={config.train.microbatches} and "
        f"optimizer.release_accumulation={o.release_accumulation!r}: there is no gradient "
        "accumulator to sum microbatches into",
-       "set optimizer.release_accumulation='optimizer' (the moments absorb each "
-       "microbatch; approximates accumulation), or train.microbatches=1"),
+       [{"optimizer.release_accumulation": "optimizer"}, {"train.microbatches": 1}],
+       "the moments absorb each microbatch; approximates accumulation"),
       ("optimizer.release_accumulation", accumulate and o.name == "sgd",
        "optimizer.release_accumulation='optimizer' and optimizer.name='sgd': optimizer "
-       "accumulation is defined for adamw and lion", "use optimizer.name='adamw' or 'lion'"),
+       "accumulation is defined for adamw and lion",
+       [{"optimizer.name": "adamw"}, {"optimizer.name": "lion"}], ""),
       ("optimizer.grad_clip", o.grad_clip > 0 and not clip,
        f"optimizer.grad_clip={o.grad_clip:g} and optimizer.release_clipping='none': the "
        "global norm is known only after every layer is updated",
-       "set optimizer.release_clipping='previous_norm' or 'per_layer', or "
-       "optimizer.grad_clip=0"),
+       [{"optimizer.release_clipping": "previous_norm"},
+        {"optimizer.release_clipping": "per_layer"}, {"optimizer.grad_clip": 0.0}],
+       "the previous step's global norm"),
       ("optimizer.release_clipping", clip and o.grad_clip == 0,
        f"optimizer.release_clipping={o.release_clipping!r} and optimizer.grad_clip=0: "
-       "nothing to clip to", "set optimizer.grad_clip > 0"),
+       "nothing to clip to",
+       [{"optimizer.grad_clip": 1.0}, {"optimizer.release_clipping": "none"}],
+       "or any positive norm"),
       ("precision.param_dtype", "float16" in (p.param_dtype, p.compute_dtype),
        "float16: dynamic loss scaling (precision.loss_scale) finds an overflow only after "
        "layers were updated, and cannot undo them",
-       "use precision.param_dtype and precision.compute_dtype 'bfloat16'"),
+       [{"precision.param_dtype": "bfloat16", "precision.compute_dtype": "bfloat16"}], ""),
   ]
-  for key, bad, problem, fix in problems:
+  for key, bad, problem, alternatives, why in problems:
     if bad:
       raise ConfigError(f"optimizer.release=True with {problem}.", key=key, source=where(key),
-                        fix=f"{fix}, or optimizer.release=False")
+                        fix=fixes(*alternatives, off, why=why))
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
-             source: Source = "the config") -> None:
+             source: Source = "the config", check_fixes: bool = True) -> None:
   """Checks every key, type, value range and combination; raises ConfigError on the first mistake.
 
   Args:
     config: a config tree with exactly the keys of base_config().
     num_devices: when given, the mesh and the batch are checked against this many devices.
     source: where values came from: one string, or {dotted key: source} with "" as the fallback.
+    check_fixes: validate each suggested fix of the release rules, printing only those that
+      pass (False inside that check).
   """
   check_tree(config, source)
   values, _ = flatten(config)
@@ -311,4 +351,4 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     fixed = math.prod(s for s in (config.mesh.data, config.mesh.fsdp) if s > 0)
     _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None
-  _check_release(config, fsdp, source)
+  _check_release(config, fsdp, source, num_devices, check_fixes)
