@@ -14,8 +14,12 @@ import pytest
 
 import zerojax
 from zerojax import optim
+from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
+
+from test_release import LLAMA
+from test_release_packed import packed_batches
 
 SMALL = dict(vocab_size=64, d_model=32, d_ff=64, n_layers=3, context=4)
 HYPER = {"adamw": dict(learning_rate=1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1),
@@ -35,12 +39,15 @@ def moments(opt_state):
   return state.mu, getattr(state, "nu", None)
 
 
-def microbatches_of(tokens, n):
-  """Microbatch k as the release step makes it: the k-th n-th of every device's rows."""
-  rows = len(tokens) // DEVICES
-  per = rows // n
-  return [np.concatenate([tokens[d * rows + k * per:d * rows + (k + 1) * per]
-                          for d in range(DEVICES)]) for k in range(n)]
+def microbatches_of(batch, n):
+  """Microbatch k as the release step makes it: the k-th n-th of every device's rows
+  (of every array of the batch)."""
+  def split(x, k):
+    rows = len(x) // DEVICES
+    per = rows // n
+    return np.concatenate([x[d * rows + k * per:d * rows + (k + 1) * per]
+                           for d in range(DEVICES)])
+  return [jax.tree.map(lambda x, k=k: split(x, k), batch) for k in range(n)]
 
 
 def clip_per_layer(g, max_norm, factors):
@@ -48,14 +55,14 @@ def clip_per_layer(g, max_norm, factors):
   the scales go to `factors`."""
   scale = lambda tree, f: jax.tree.map(lambda x: x * f, tree)
   factor = lambda sq: min(1.0, max_norm / (np.sqrt(sq) + 1e-6))
-  layers = {k: v.copy() for k, v in g["layers"].items()}
-  for i in range(SMALL["n_layers"]):
-    f = factor(sum(np.sum(v[i] ** 2) for v in layers.values()))
+  layers = jax.tree.map(np.copy, g["layers"])
+  for i in range(len(jax.tree.leaves(layers)[0])):
+    f = factor(sum(np.sum(v[i] ** 2) for v in jax.tree.leaves(layers)))
     factors.append(f)
-    for v in layers.values():
+    for v in jax.tree.leaves(layers):
       v[i] *= f
   rest = {k: v for k, v in g.items() if k != "layers"}
-  return {**scale(rest, factor(sum(np.sum(v ** 2) for v in rest.values()))),
+  return {**scale(rest, factor(sum(np.sum(v ** 2) for v in jax.tree.leaves(rest)))),
           "layers": layers}
 
 
@@ -72,8 +79,7 @@ def reference(model, params, data, name, n, clipping, max_norm):
   sq = lambda tree: sum(np.sum(x ** 2) for x in jax.tree.leaves(tree))
   for t, batch in enumerate(data, start=1):
     at = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), p)
-    gs = [jax.tree.map(np.float64, grad(at, {"tokens": rows}))
-          for rows in microbatches_of(batch["tokens"], n)]
+    gs = [jax.tree.map(np.float64, grad(at, micro)) for micro in microbatches_of(batch, n)]
     norm = np.sqrt(np.mean([sq(g) for g in gs]))
     if clipping == "previous_norm":
       f = min(1.0, max_norm / (previous + 1e-6))
@@ -129,17 +135,27 @@ def setup(batch):
   return model, params, data
 
 
-@pytest.mark.parametrize("name, n, mesh_shape, clipping, max_norm", [
-    ("adamw", 2, (1, 8), "none", 0.0),
-    ("lion", 4, (2, 4), "none", 0.0),
-    ("adamw", 1, (1, 8), "previous_norm", 0.5),
-    ("lion", 2, (1, 8), "previous_norm", 0.5),
-    ("adamw", 2, (2, 4), "per_layer", 0.2),
+def setup_packed(batch):
+  """A Llama in fp32 on packed fine-tuning rows (>= 3 examples a row, `packed_batches`)."""
+  model = LlamaLM(LlamaConfig(**LLAMA, param_dtype="float32", compute_dtype="float32"))
+  params = jax.tree.map(np.asarray, model.init(jax.random.key(1)))
+  return model, params, packed_batches(STEPS, batch)
+
+
+@pytest.mark.parametrize("name, n, mesh_shape, clipping, max_norm, data", [
+    ("adamw", 2, (1, 8), "none", 0.0, "tokens"),
+    ("lion", 4, (2, 4), "none", 0.0, "tokens"),
+    ("adamw", 1, (1, 8), "previous_norm", 0.5, "tokens"),
+    ("lion", 2, (1, 8), "previous_norm", 0.5, "tokens"),
+    ("adamw", 2, (2, 4), "per_layer", 0.2, "tokens"),
+    ("adamw", 2, (1, 8), "previous_norm", 0.1, "packed"),
+    ("lion", 2, (2, 4), "per_layer", 0.05, "packed"),
 ])
-def test_release_matches_the_reference(name, n, mesh_shape, clipping, max_norm):
+def test_release_matches_the_reference(name, n, mesh_shape, clipping, max_norm, data):
   """3 steps: params and moments within 1e-5 of the float64 reference, every leaf; with
-  clipping the reference did clip (by the previous norm: from step 2 on)."""
-  model, params, data = setup(batch=DEVICES * n * 2)
+  clipping the reference did clip (by the previous norm: from step 2 on). 'packed': a
+  Llama on packed fine-tuning rows (segment ids, positions, loss mask in every layer)."""
+  model, params, data = {"tokens": setup, "packed": setup_packed}[data](DEVICES * n * 2)
   want_p, want_mu, want_nu, clipped = reference(model, params, data, name, n, clipping,
                                                 max_norm)
   # The test sees clipping at work (and the first step unclipped by the previous norm).
