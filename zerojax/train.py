@@ -304,11 +304,15 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     # float() waits for each batch: one program with collectives in flight at a time.
     loss = float(np.mean([float(eval_step(state.params, b)["loss"]) for b in eval_set]))
     extra = {}
-    if t.eval_exact_match:  # Greedy decoding on whole params (a model that fits a device),
-      # gathered from every process (the same answers on each).
-      whole = multihost_utils.process_allgather(state.params, tiled=True)
-      extra["exact_match"] = generate.exact_match(model.logits, whole, run.eval_tokens,
-                                                  t.eval_exact_match)
+    if t.eval_exact_match:  # Greedy decoding, the same answers on every process: KV-cached
+      # on the params as the plan shards them; a model without a cache (MlpLM) uncached,
+      # on whole params gathered from every process.
+      cached = hasattr(model, "extend")
+      params = state.params if cached else multihost_utils.process_allgather(state.params,
+                                                                             tiled=True)
+      extra["exact_match"] = generate.exact_match(model if cached else model.logits, params,
+                                                  run.eval_tokens, t.eval_exact_match,
+                                                  plan=run.built.plan)
     report(f"step {step:6d}  eval_loss {loss:.4f}"
            + "".join(f"  {k} {v:.3f}" for k, v in extra.items()),
            step=step, eval_loss=loss, **extra)

@@ -29,19 +29,27 @@ def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
   int32[B, S], k_seg int32[B, T]; None: one segment, no compare), softmax in fp32.
   Returns [B, S, K, G, Dh] in q's dtype.
   """
-  Dh, S, T = q_blk.shape[-1], q_blk.shape[1], k.shape[1]
+  S, T = q_blk.shape[1], k.shape[1]
   # Ties the mask to this block's queries. Computed from constants alone, it would be
   # loop-invariant in the layer scan, and JAX hoists such values out of the loop: the
   # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
   start, q_blk = jax.lax.optimization_barrier((start, q_blk))
-  s = jnp.einsum("bqkgd,bskd->bkgqs", q_blk, k, preferred_element_type=jnp.float32)
   visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
   if q_seg is not None:  # [B, 1, 1, S, T]: also the query's own segment.
     visible = (visible & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
-  p = jax.nn.softmax(jnp.where(visible, s * Dh ** -0.5, -1e30), axis=-1)
+  return _masked_attention(q_blk, k, v, visible)
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
+                      ) -> jax.Array:
+  """Queries [B, S, K, G, Dh] against keys and values [B, T, K, Dh] where `visible`
+  (bool, broadcast to [B, K, G, S, T]); fp32 scores and softmax. Returns q's shape and
+  dtype."""
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+  p = jax.nn.softmax(jnp.where(visible, s * q.shape[-1] ** -0.5, -1e30), axis=-1)
   out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.astype(q_blk.dtype)
+  return out.astype(q.dtype)
 
 
 def _attend_blocks_fwd(q, k, v, q_seg, k_seg):
@@ -116,3 +124,26 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
     q_seg = q_seg.reshape(B, n, size).swapaxes(0, 1)  # [n, B, size]
   out = _attend_blocks(q, k, v, q_seg, segment_ids)
   return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
+                     ) -> jax.Array:
+  """Causal grouped-query attention of new queries against a KV cache (decoding).
+
+  Query t of row b sees the cache slots 0..positions[b, t]: the cache holds each token
+  at its own position, so slots past a row's current position (its padding, or what a
+  longer prompt of the batch left there) are never read. No backward pass: inference.
+
+  Args:
+    q: [B, T, H, Dh], the new tokens' queries (T = a prompt, or 1 per decode step).
+    k, v: [B, S, K, Dh], the cache with the new tokens already written.
+    positions: int32[B, T], each query's position.
+
+  Returns:
+    [B, T, H, Dh] in q's dtype.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  visible = (jnp.arange(k.shape[1]) <= positions[..., None])[:, None, None]  # [B,1,1,T,S]
+  out = _masked_attention(q.reshape(B, T, K, H // K, Dh), k, v, visible)
+  return out.reshape(B, T, H, Dh)

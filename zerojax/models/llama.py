@@ -1,17 +1,16 @@
 """The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-One file, read top to bottom: the config, the pieces (norm, rotary embeddings,
-attention; the attention kernels are `zerojax.models.attention`'s), the block, the
-model, then the loss and the helpers a trainer needs (`param_shapes`: every parameter's
-shape and axes, the one copy the planner and the Hugging Face mapping read).
-Layers run under `nn.scan` with a leading 'layers' axis; each layer's params pass
-through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer is
-gathered at a time (and, under remat, gathered again in the backward pass instead
-of being saved).
+One file, read top to bottom: the config, the pieces (norm, attention; RoPE is
+`zerojax.models.rope`'s, re-exported, the kernels `zerojax.models.attention`'s), the block,
+the model (`extend`: the KV-cached pass of `zerojax.generate`), then the loss and the
+helpers a trainer needs (`param_shapes`: every parameter's shape and axes, the one copy
+the planner and the Hugging Face mapping read). Layers run under `nn.scan` with a leading
+'layers' axis; each layer's params pass through `zerojax.gather` inside the scan body, so
+at ZeRO stage 3 one layer is gathered at a time (and, under remat, gathered again in the
+backward pass instead of being saved).
 
 Long context: the blocked attention recomputes each query block's scores in the
 backward pass; the loss runs over `loss_chunk` positions at a time (`chunked_loss`).
-
 The Hugging Face name of each parameter is in `zerojax.models.hf`.
 
 Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
@@ -27,13 +26,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.core import FrozenDict
 
 from zerojax import gpu as zerojax_gpu
-from zerojax.models.attention import attention_kernel, blocked_attention
+from zerojax.models.attention import attention_kernel, blocked_attention, cached_attention
 from zerojax.models.chunked_loss import chunked_nll
 from zerojax.models.remat import POLICIES, named, policy
+from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from zerojax.release import LayeredLoss
 from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
@@ -164,54 +163,6 @@ class RMSNorm(nn.Module):
     return rms_norm(x, scale, self.eps).astype(self.dtype)
 
 
-def rope_frequencies(config: LlamaConfig) -> np.ndarray:
-  """Rotary inverse frequencies, as Hugging Face computes them.
-
-  inv_freq[i] = 1 / theta^(2i / Dh); with `rope_scaling`, Llama 3.1's rule
-  (`_compute_llama3_parameters`): wavelengths above original / low_freq_factor are
-  divided by `factor`, those below original / high_freq_factor kept, those between
-  interpolated smoothly.
-
-  Returns:
-    float32[Dh // 2], a constant (numpy, computed in float64).
-  """
-  d = config.head_dim
-  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-  if config.rope_scaling is not None:
-    s = config.rope_scaling
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    inv_freq = np.where(medium, smoothed, scaled)
-  return inv_freq.astype(np.float32)
-
-
-def rope_tables(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos and sin of the rotary angles at `positions` (int[..., T]; an int T = 0..T-1):
-  float32[..., T, Dh] each (packed examples: positions from 0 in each, as HF's)."""
-  if isinstance(positions, int):
-    positions = jnp.arange(positions, dtype=jnp.float32)
-  angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(config)
-  angles = jnp.concatenate([angles, angles], axis=-1)  # HF: both halves, same angles.
-  return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """HF's rotate-half RoPE in fp32: x * cos + rotate_half(x) * sin.
-
-  x: [B, T, N, Dh] queries or keys; cos, sin: float32[T, Dh] or [B, T, Dh]. Returns x's
-  shape and dtype.
-  """
-  x32 = x.astype(jnp.float32)
-  x1, x2 = jnp.split(x32, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
-
-
 # ------------------------------------------------------------------------ the model
 
 
@@ -231,9 +182,12 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, cache: tuple | None = None) -> Any:
     """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[(B,) T, Dh]; segment_ids:
-    int32[B, T] or None (a position attends only to its own segment)."""
+    int32[B, T] or None (a position attends only to its own segment). With `cache` =
+    (keys, values [B, S, K, Dh] compute dtype, positions int32[B, T]): the new keys and
+    values written at `positions`, attention over the cache; returns (out, (keys, values)).
+    """
     c = self.config
     B, T, _ = x.shape
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
@@ -242,7 +196,13 @@ class Attention(nn.Module):
     k = proj(K, "k_proj", "kv_heads").reshape(B, T, K, Dh)
     v = proj(K, "v_proj", "kv_heads").reshape(B, T, K, Dh)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if attention_kernel(c.attention, q.dtype) == "dot_product":
+    if cache is not None:
+      keys, values, positions = cache
+      at = (jnp.arange(B)[:, None], positions)  # A row's positions out of range: dropped.
+      keys = keys.at[at].set(k.astype(keys.dtype), mode="drop")
+      values = values.at[at].set(v.astype(values.dtype), mode="drop")
+      out = cached_attention(q, keys, values, positions)
+    elif attention_kernel(c.attention, q.dtype) == "dot_product":
       # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
       cudnn = zerojax_gpu.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
       # Packed: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
@@ -254,7 +214,8 @@ class Attention(nn.Module):
     else:
       out = blocked_attention(q, k, v, c.attention_block, segment_ids)
     out = named(out.reshape(B, T, H * Dh), "attention_out")
-    return named(_dense(c, c.d_model, ("heads", "embed"), "o_proj")(out), "o_proj")
+    out = named(_dense(c, c.d_model, ("heads", "embed"), "o_proj")(out), "o_proj")
+    return out if cache is None else (out, (keys, values))
 
 
 class Mlp(nn.Module):
@@ -277,19 +238,55 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array],
-               segment_ids: jax.Array | None = None):
-    """(x [B, T, D], (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature."""
+               segment_ids: jax.Array | None = None, cache: tuple | None = None):
+    """(x [B, T, D], (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature;
+    with a `cache` (see `Attention`), (x, the layer's updated (keys, values))."""
     c = self.config
     norm = lambda name: RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, name=name)
-    x = x + Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids)
+    out = Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids, cache)
+    out, cache = (out, None) if cache is None else out
+    x = x + out
     x = x + Mlp(c, name="mlp")(norm("post_attention_layernorm")(x))
-    return x, None
+    return x, cache
 
 
 def apply_block(config: LlamaConfig, params: Params, x: jax.Array, cos: jax.Array,
-                sin: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-  """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D]."""
-  return Block(config, parent=None).apply({"params": params}, x, (cos, sin), segment_ids)[0]
+                sin: jax.Array, segment_ids: jax.Array | None = None,
+                cache: tuple | None = None) -> Any:
+  """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D]; with a `cache`
+  (keys, values, positions: see `Attention`), (x, the updated (keys, values))."""
+  x, cache = Block(config, parent=None).apply({"params": params}, x, (cos, sin), segment_ids,
+                                              cache)
+  return x if cache is None else (x, cache)
+
+
+def extend(config: LlamaConfig, params: Params, tokens: jax.Array, positions: jax.Array,
+           cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple]:
+  """The model over new tokens against a KV cache (prefill, or one decode step): training's
+  blocks (`apply_block` with a cache) one layer at a time, each layer's params through
+  `gather` (stage 3 in a `shard_map`: one layer's all-gather; whole params: identity).
+
+  Args:
+    params: layer leaves may be `zerojax.Sharded`.
+    tokens: int32[B, T] at positions int32[B, T] (RoPE angles and cache slots).
+    cache: (keys, values), each [L, B, S, K, Dh] in the compute dtype.
+
+  Returns:
+    (float32[B, T, V] next-token logits, the updated (keys, values)).
+  """
+  rest = {k: v for k, v in params.items() if k != "layers"}
+  model = Llama(config)
+  x = model.apply({"params": rest}, tokens, method=lambda m, t: m.embed_tokens(t))
+  cos, sin = rope_tables(config, positions)
+
+  def layer(i, carry):
+    x, keys, values = carry
+    p = gather(jax.tree.map(lambda a: a[i], params["layers"]))
+    x, (k, v) = apply_block(config, p, x, cos, sin, cache=(keys[i], values[i], positions))
+    return x, keys.at[i].set(k), values.at[i].set(v)
+
+  x, keys, values = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache))
+  return model.apply({"params": rest}, x, method=Llama.head), (keys, values)
 
 
 class Llama(nn.Module):
@@ -475,6 +472,10 @@ class LlamaLM:
 
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     return logits(self.config, params, tokens)
+
+  def extend(self, params: Params, tokens: jax.Array, positions: jax.Array, cache: tuple):
+    """KV-cached logits (`zerojax.generate`): see `extend`."""
+    return extend(self.config, params, tokens, positions, cache)
 
   def layered(self) -> LayeredLoss:
     """`loss` cut at its layer loop, for gradient release (`zerojax.release`). Every
