@@ -31,37 +31,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "sft_throughput.json")
 
 
-def setup(name: str):
-  """(step, state, batches) for configs/<name>.py: the compiled step and 4 real batches."""
+def setup(name: str, overrides: tuple[str, ...] = (), num_devices: int = 1,
+          count: int = 4):
+  """[step, state, batches] for configs/<name>.py + `overrides`: the compiled step (as
+  train.py builds it) and `count` real batches from the config's own loader (local ones
+  too: the numpy arrays, for counting their tokens)."""
   # The same vocabulary for both (sft_tiny's 264: bytes and 5 special tokens).
-  c = load_config(os.path.join(ROOT, "configs", f"{name}.py"), ["model.vocab_size=264"],
-                  num_devices=1)
+  c = load_config(os.path.join(ROOT, "configs", f"{name}.py"),
+                  ["model.vocab_size=264", *overrides], num_devices=num_devices)
   t = c.train
   built = build(c)
   step = built.train_step.lower(built.abstract_state, built.abstract_batch).compile()
   state = zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(0))
   if c.data.name == "sft":
     train, _, _ = sft.load(c.data, c.model.vocab_size, t.seq_len)
-    local = [sft.batch_at(train, s, t.global_batch_size, c.seed) for s in range(4)]
+    local = [sft.batch_at(train, s, t.global_batch_size, c.seed) for s in range(count)]
   else:
     train, _ = data.load_tokens(c.data, c.model.vocab_size, t.seq_len)
     local = [{"tokens": data.batch_at(train, s, t.global_batch_size, t.seq_len, c.seed)}
-             for s in range(4)]
-  return step, state, [data.global_batch(b, built.batch_sharding) for b in local]
+             for s in range(count)]
+  return [step, state, [data.global_batch(b, built.batch_sharding) for b in local], local]
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=8)
-  parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
-  args = parser.parse_args()
-  runs = {name: list(setup(name)) for name in ("tiny", "sft_tiny")}
+def interleaved(runs: dict[str, list], rounds: int, steps: int) -> dict[str, list[float]]:
+  """Seconds per step of each run, per round: one step of each at a time, each waited
+  for, `steps` steps of every run a round (round 0 warms up and is not counted)."""
   times = {name: [] for name in runs}
-  for r in range(args.rounds + 1):  # Round 0 warms up.
+  for r in range(rounds + 1):
     spent = dict.fromkeys(runs, 0.0)
-    for i in range(args.steps):
+    for i in range(steps):
       for name, run in runs.items():
-        step, state, batches = run
+        step, state, batches = run[:3]
         start = time.perf_counter()
         state, metrics = step(state, batches[i % len(batches)])
         jax.block_until_ready(metrics)
@@ -69,7 +69,17 @@ def main() -> None:
         run[1] = state
     if r:
       for name in runs:
-        times[name].append(spent[name] / args.steps)
+        times[name].append(spent[name] / steps)
+  return times
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=8)
+  parser.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+  args = parser.parse_args()
+  runs = {name: setup(name) for name in ("tiny", "sft_tiny")}
+  times = interleaved(runs, args.rounds, args.steps)
   ratios = [a / b for a, b in zip(times["tiny"], times["sft_tiny"])]
   result = dict(rounds=args.rounds, steps=args.steps,
                 median_step_s={k: statistics.median(v) for k, v in times.items()},

@@ -7,6 +7,7 @@ needs JAX's CUDA plugin (the `gpu-compile` extra), skipped with the reason other
 
 import json
 import os
+import re
 
 import jax
 import pytest
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 RECIPE = os.path.join(ROOT, "configs", "70b_8x80gb.py")
+SFT_RECIPE = os.path.join(ROOT, "configs", "70b_sft_8x80gb.py")
 
 
 def test_every_target_loads_with_its_memory_and_compute_capability():
@@ -107,10 +109,14 @@ def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s()
 
 
 def test_train_dry_run_compiles_for_a_target(capsys):
-  assert train.main(["--config", RECIPE, "--dry_run", "--target", "h100:8"]) == 0
+  """The 70B chat fine-tune (configs/70b_sft_8x80gb.py: packed SFT rows under gradient
+  release) through train.py's dry run for 8 x H100: at most 70 GiB a device."""
+  assert train.main(["--config", SFT_RECIPE, "--dry_run", "--target", "h100:8"]) == 0
   text = capsys.readouterr().out
   assert "NVIDIA H100 80GB HBM3" in text and "XLA's GPU compiler" in text
-  assert "verdict: fits" in text
+  assert "verdict: fits" in text and "packed" in text
+  (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
+  assert float(total) <= 70, total
   with pytest.raises(SystemExit) as stop:  # A target is compiled for, never trained on.
     train.main(["--config", RECIPE, "--target", "h100:8"])
   assert stop.value.code == 2

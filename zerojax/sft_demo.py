@@ -5,7 +5,8 @@ byte-to-character table, no merges) with Llama 3's special tokens after them
 (`SPECIAL_TOKENS`, ids 256..). `tasks(n, seed)` are small instructions with one right
 answer each (add or subtract two numbers, reverse a word, sort its letters), so
 exact-match accuracy measures what was learned. `write(folder)` puts a tokenizer.json,
-train.jsonl and eval.jsonl of {prompt, completion} lines there, once.
+train.jsonl and eval.jsonl of {prompt, completion} lines there, once; `chats` gives the
+same tasks as {messages} conversations.
 """
 
 import json
@@ -92,3 +93,13 @@ def write(folder: str, train: int = 20000, held_out: int = 200, seed: int = 0) -
   for key in ("train", "eval", "tokenizer"):
     os.replace(tmp[key], paths[key])
   return paths
+
+
+def chats(n: int, seed: int, system: str = "") -> list[dict[str, list[dict[str, str]]]]:
+  """`tasks(n, seed)` as conversations: {"messages": [system?, user, assistant]} lines, for
+  `data.name='sft'` through a chat template (the built-in Llama 3 one without a
+  tokenizer_config.json)."""
+  head = [{"role": "system", "content": system}] if system else []
+  return [{"messages": head + [{"role": "user", "content": t["prompt"]},
+                               {"role": "assistant", "content": t["completion"]}]}
+          for t in tasks(n, seed)]
