@@ -210,6 +210,9 @@ def _main(argv: list[str]) -> int:
                  "with XLA's GPU compiler; else on as many fake CPU devices with XLA:CPU's "
                  "memory flags) and show XLA's numbers")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
+  p.add_argument("--generate", default="", metavar="BATCHxLEN",
+                 help="also the KV cache of generating BATCH prompts of LEN tokens in all, "
+                 "e.g. 64x512 (default with train.eval_exact_match: its batch of 64 x seq_len)")
   args = p.parse_args(rest)
   if not path:
     raise ConfigError("no config file given.", source="the command line",
@@ -242,12 +245,14 @@ def _main(argv: list[str]) -> int:
   if args.compile:
     compiled, attributed = compile_and_attribute(config, e, spec)
   found = suggestions(e.setup, device_memory=device_memory)
+  generation = generation_cache(config, args.devices, args.generate, p.error)
   fits = e.fits if not (spec and compiled) else (
       compiled["arguments"] + compiled["temporaries"] <= device_memory)
   if args.json:
     print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed,
-                          target=str(spec) if spec else None, fits=fits, suggestions=[
-        dict(change=x.change, overrides=x.overrides, total=x.estimate.total) for x in found])))
+                          target=str(spec) if spec else None, fits=fits, generate=generation,
+                          suggestions=[dict(change=x.change, overrides=x.overrides,
+                                            total=x.estimate.total) for x in found])))
   else:
     print(format_table(e, compiled, attributed, title=" ".join([path, *overrides]),
                        gpu=bool(spec)))
@@ -255,10 +260,38 @@ def _main(argv: list[str]) -> int:
       print(format_target_verdict(spec, where, device_memory, compiled))
     elif compiled:
       print(f"(compiled in {compiled['seconds']:.1f} s on {args.devices} fake CPU devices)")
+    if generation:
+      print(f"generation ({generation['why']}): KV cache {fmt_bytes(generation['bytes'])} per "
+            f"device for {generation['batch']} rows x {generation['length']} tokens, beside "
+            "the params (zerojax.generate.cache_bytes)")
     text = format_suggestions(e, found)
     if text:
       print(text)
   return 0 if not device_memory or fits else 1
+
+
+def generation_cache(config, devices: int, flag: str, error) -> dict | None:
+  """The KV cache of `zerojax.generate` per device for `--generate BATCHxLEN` (or the eval's
+  exact match: 64 prompts, a training row's length), rounded as the decoder rounds its
+  batch and length; None for no generation, or a model without a cache."""
+  # pylint: disable=import-outside-toplevel
+  from zerojax import models
+  from zerojax.generate import cache, decode
+  model = models.from_config(config)
+  if flag:
+    batch, _, length = flag.lower().partition("x")
+    if not (batch.isdigit() and length.isdigit() and int(batch) > 0 and int(length) > 0):
+      error(f"--generate {flag!r}: expected BATCHxLEN, e.g. 64x512")
+    why, batch, length = f"--generate {flag}", int(batch), int(length)
+  elif config.train.eval_exact_match:
+    why, batch, length = "train.eval_exact_match", 64, config.train.seq_len
+  else:
+    return None
+  if not hasattr(model, "extend"):
+    return None
+  rows, length = decode.batch_bucket(batch, devices), decode.length_bucket(length)
+  return dict(why=why, batch=rows, length=length,
+              bytes=cache.cache_bytes(model.config, rows, length, devices))
 
 
 def for_target(spec):

@@ -15,8 +15,9 @@ from zerojax.generate.cache import KVCache, cache_bytes
 from zerojax.generate.cli import encode_prompt, main
 from zerojax.generate.decode import Generated, decoder, generate
 from zerojax.generate.evaluate import exact_match, prompts_and_answers
-from zerojax.generate.reference import LogitsFn, greedy
+from zerojax.generate.reference import LogitsFn, greedy, greedy_jit
 from zerojax.generate.sampling import Sampling
 
 __all__ = ["Generated", "KVCache", "LogitsFn", "Sampling", "cache_bytes", "decoder",
-           "encode_prompt", "exact_match", "generate", "greedy", "main", "prompts_and_answers"]
+           "encode_prompt", "exact_match", "generate", "greedy", "greedy_jit", "main",
+           "prompts_and_answers"]

@@ -107,6 +107,10 @@ def _from_hf(args) -> tuple[Any, Any, Any, Any, Any, set]:
                                                                          "bfloat16")),
                                   compute_dtype=jnp.dtype(args.compute_dtype)))
   path = os.path.join(args.hf, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise hf.HFError("no tokenizer.json in this folder: nothing to encode prompts with",
+                     path=args.hf, fix="copy the model's tokenizer.json (and "
+                     "tokenizer_config.json) into it")
   tokenizer = data.load_tokenizer(path, model.config.vocab_size)
   side = _json(os.path.join(args.hf, "tokenizer_config.json"))
   d = types.SimpleNamespace(tokenizer=path, eos_id=-1, add_bos=side.get("add_bos_token", True))
