@@ -233,3 +233,16 @@ def test_cli_answers_from_a_checkpoint_and_its_hf_folder_with_the_same_ids(tmp_p
     first, *rest = err.splitlines()
     assert first.startswith("error: ") and words in first, err
     assert all(line.startswith("  fix: ") for line in rest) and "Traceback" not in err, err
+
+
+def test_the_planner_shows_the_cache_of_a_generation(capsys):
+  from zerojax import memory_report  # pylint: disable=import-outside-toplevel
+  assert memory_report.main(["--config", "configs/tiny.py", "--devices", "8",
+                             "--generate", "12x100"]) == 0
+  # 12 prompts -> 16 rows, 2 a device; 100 tokens -> 128: 2 x 4 x 2 x 128 x 2 x 32 x 2 B.
+  assert ("generation (--generate 12x100): KV cache 256.00 KiB per device for 16 rows x 128 "
+          "tokens") in capsys.readouterr().out
+  assert generate.cache_bytes(llama.LlamaConfig(), 16, 128, 8) == 256 << 10
+  with pytest.raises(SystemExit) as end:
+    memory_report.main(["--config", "configs/tiny.py", "--devices", "8", "--generate", "12"])
+  assert end.value.code == exits.BAD_INPUT and "expected BATCHxLEN" in capsys.readouterr().err
