@@ -68,6 +68,7 @@ def batch_bucket(n: int, devices: int) -> int:
 
 
 def length_bucket(n: int) -> int:
+  """Positions for n tokens: n rounded up to a multiple of `LENGTH_STEP`."""
   return -(-n // LENGTH_STEP) * LENGTH_STEP
 
 
@@ -189,9 +190,13 @@ def generate(model: Any, params: Any, prompts: list, max_new: int, *,
   Returns:
     `Generated`: the new tokens and their count per prompt.
   """
+  cache_lib.check_model(model)
   sampling_lib.check(sampling)
   if max_new < 1 or not prompts or not all(len(p) for p in prompts):
     raise ValueError("generate needs max_new >= 1 and at least one prompt, none empty")
+  vocab = model.config.vocab_size
+  if any(min(p) < 0 or max(p) >= vocab for p in prompts):
+    raise ValueError(f"a prompt has a token id outside the vocabulary [0, {vocab})")
   plan = plan or single_device_plan(model)
   program = decoder(model, plan, gather)
   n, longest = len(prompts), max(len(p) for p in prompts)
