@@ -105,8 +105,10 @@ def _decode(model, plan, gather, params, tokens, lengths, stops, max_new, seed, 
   everywhere = lambda done: jax.lax.pmin(jnp.all(done).astype(jnp.int32), plan.data_axes) > 0
 
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-  logits, kv = model.extend(params, tokens, positions, cache_lib.init(model.config, B, total))
-  last = logits[jnp.arange(B), jnp.maximum(lengths, 1) - 1]
+  # The prefill's logits at each prompt's last token only (not [B, T, V] in fp32).
+  logits, kv = model.extend(params, tokens, positions, cache_lib.init(model.config, B, total),
+                            last=jnp.maximum(lengths, 1) - 1)
+  last = logits[:, 0]
   first = sampling_lib.next_token(last, settings, key, rows, jnp.int32(0))
   done = (lengths == 0) | stopped(first)  # Length 0: a row that fills the batch bucket.
   out = jnp.zeros((B, total), jnp.int32).at[:, 0].set(first)

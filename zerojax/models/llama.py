@@ -1,18 +1,15 @@
 """The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-One file, read top to bottom: the config, the pieces (norm, attention; RoPE is
-`zerojax.models.rope`'s, re-exported, the kernels `zerojax.models.attention`'s), the block,
-the model (`extend`: the KV-cached pass of `zerojax.generate`), then the loss and the
-helpers a trainer needs (`param_shapes`: every parameter's shape and axes, the one copy
-the planner and the Hugging Face mapping read). Layers run under `nn.scan` with a leading
-'layers' axis; each layer's params pass through `zerojax.gather` inside the scan body, so
-at ZeRO stage 3 one layer is gathered at a time (and, under remat, gathered again in the
-backward pass instead of being saved).
+One file, read top to bottom: the config, the pieces (norm, attention; RoPE and kernels
+are `zerojax.models.rope`'s and `.attention`'s), the block, the model (`extend`: the
+KV-cached pass of `zerojax.generate`), the loss and the helpers a trainer needs
+(`param_shapes`: each parameter's shape and axes, the one copy the planner and the HF
+mapping read). Layers run under `nn.scan` with a leading 'layers' axis; each layer's
+params pass through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer
+is gathered at a time (under remat, gathered again in the backward pass, not saved).
 
-Long context: the blocked attention recomputes each query block's scores in the
-backward pass; the loss runs over `loss_chunk` positions at a time (`chunked_loss`).
-The Hugging Face name of each parameter is in `zerojax.models.hf`.
-
+Long context: the blocked attention recomputes each query block's scores in the backward
+pass; the loss runs `loss_chunk` positions at a time. HF names: `zerojax.models.hf`.
 Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
 G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
 """
@@ -261,31 +258,34 @@ def apply_block(config: LlamaConfig, params: Params, x: jax.Array, cos: jax.Arra
 
 
 def extend(config: LlamaConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-           cache: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, tuple]:
+           cache: tuple, last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
   """The model over new tokens against a KV cache (prefill, or one decode step): training's
-  blocks (`apply_block` with a cache) one layer at a time, each layer's params through
-  `gather` (stage 3 in a `shard_map`: one layer's all-gather; whole params: identity).
+  blocks (`apply_block` with a cache) one layer at a time, each layer's params (leaves may
+  be `zerojax.Sharded`) through `gather` (stage 3 in a `shard_map`: one layer's all-gather).
 
   Args:
-    params: layer leaves may be `zerojax.Sharded`.
     tokens: int32[B, T] at positions int32[B, T] (RoPE angles and cache slots).
     cache: (keys, values), each [L, B, S, K, Dh] in the compute dtype.
+    last: int32[B]: logits only at tokens[b, last[b]] (a prefill: not [B, T, V] in fp32).
 
   Returns:
-    (float32[B, T, V] next-token logits, the updated (keys, values)).
+    (float32[B, T (1 with `last`), V] next-token logits, the updated (keys, values)).
   """
   rest = {k: v for k, v in params.items() if k != "layers"}
   model = Llama(config)
   x = model.apply({"params": rest}, tokens, method=lambda m, t: m.embed_tokens(t))
   cos, sin = rope_tables(config, positions)
-
+  # The stacks go through the loop as rows ([L, n]) and layer i's row past a barrier: else
+  # XLA:GPU relays each whole stack for the all-gathers (at 70B on 8: 2 x 4.4 GiB copies).
   def layer(i, carry):
-    x, keys, values = carry
-    p = gather(jax.tree.map(lambda a: a[i], params["layers"]))
+    x, keys, values, rows = carry
+    p = jax.lax.optimization_barrier(jax.tree.map(lambda r: r[i], rows))
+    p = gather(jax.tree.map(lambda r, a: r.reshape(a.shape[1:]), p, params["layers"]))
     x, (k, v) = apply_block(config, p, x, cos, sin, cache=(keys[i], values[i], positions))
-    return x, keys.at[i].set(k), values.at[i].set(v)
-
-  x, keys, values = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache))
+    return x, keys.at[i].set(k), values.at[i].set(v), rows
+  rows = jax.tree.map(lambda a: a.reshape(len(a), -1), params["layers"])
+  x, keys, values, _ = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache, rows))
+  x = x if last is None else x[jnp.arange(x.shape[0]), last][:, None]
   return model.apply({"params": rest}, x, method=Llama.head), (keys, values)
 
 
@@ -473,9 +473,9 @@ class LlamaLM:
   def logits(self, params: Params, tokens: jax.Array) -> jax.Array:
     return logits(self.config, params, tokens)
 
-  def extend(self, params: Params, tokens: jax.Array, positions: jax.Array, cache: tuple):
+  def extend(self, params: Params, tokens: jax.Array, positions: jax.Array, cache, last=None):
     """KV-cached logits (`zerojax.generate`): see `extend`."""
-    return extend(self.config, params, tokens, positions, cache)
+    return extend(self.config, params, tokens, positions, cache, last)
 
   def layered(self) -> LayeredLoss:
     """`loss` cut at its layer loop, for gradient release (`zerojax.release`). Every
