@@ -168,6 +168,21 @@ def decoder(model: Any, plan: zero.ZeroPlan, gather: str = "auto") -> Any:
   return _programs[key][1]
 
 
+def abstract_inputs(plan: zero.ZeroPlan, batch: int, width: int, total: int) -> tuple:
+  """`decoder`'s arguments as shapes with shardings (to lower or compile it without
+  allocating: e.g. for a GPU target): `batch` rows of `width` prompt tokens, `total`
+  positions, greedy."""
+  row, one = NamedSharding(plan.mesh, P(plan.data_axes)), NamedSharding(plan.mesh, P())
+  like = lambda x, sharding: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
+                                                  sharding=sharding)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        plan.params, plan.shardings(plan.param_specs))
+  return (params, like(np.zeros((batch, width), np.int32), row),
+          like(np.zeros(batch, np.int32), row), like(np.zeros(STOP_SLOTS, np.int32), one),
+          like(np.int32(0), one), like(np.int32(0), one),
+          jax.tree.map(lambda x: like(x, one), sampling_lib.as_arrays(Sampling())), total)
+
+
 def _global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """A host array (the same on every process) as a global array."""
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
