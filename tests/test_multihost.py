@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pytest
 
-from zerojax import distributed, exits, launch
+from zerojax import distributed, exits, launch, peers
 from zerojax.config import ConfigError, base_config
 from zerojax.devices import fake_devices_env
 
@@ -340,3 +340,48 @@ def test_resolve_detects_slurm(monkeypatch):
   assert (setup.coordinator_address, setup.num_processes, setup.process_id) == (
       f"node007:{4097 % 4096 + 61440}", 2, 1)
   assert setup.sources["num_processes"] == "slurm"
+
+
+def probe(port: int, payload: bytes | None) -> tuple[bytes, float]:
+  """A stranger's connection to the peer watch: reads the greeting, sends `payload`
+  (None: nothing), waits for process 0 to close it. Returns (greeting, seconds open)."""
+  start = time.monotonic()
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+    greeting = s.makefile("rb").readline()
+    if payload is not None:
+      s.sendall(payload)
+    try:
+      while s.recv(64):  # Raises socket.timeout if process 0 never closes it.
+        pass
+    except ConnectionResetError:  # Closed with our bytes unread: a reset, still a close.
+      pass
+  return greeting, time.monotonic() - start
+
+
+def test_strangers_at_the_peer_watch_do_not_stop_the_run(tmp_path):
+  """A launched 2 x 4 run; after its first step a stranger connects to process 0's peer
+  watch five times, sending `1\\n`, `0\\n`, `5\\n`, garbage and nothing. Each connection is
+  closed by process 0 (the silent one after `HELLO_SECONDS`) with one line saying why, the
+  run finishes with status 0, and no output holds the run's secret (the test reads it the
+  way a peer does, from the key-value store, by its HMAC being absent from every line)."""
+  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+         "--", sys.executable, TRAIN, *TINY, "--config.train.steps=100",
+         "--config.checkpoint.every_steps=0", f"--workdir={tmp_path}"]
+  run = Proc(cmd, one_process_env(1), watch="[0] step      1/100")
+  try:
+    assert run.seen.wait(TIMEOUT), run.stderr[-3000:]
+    (line,) = [x for x in run.err if "peer watch listening on" in x]
+    port = int(line.strip().rsplit(":", 1)[1].split()[0])
+    payloads = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, None]
+    seen = [probe(port, p) for p in payloads]
+    assert all(g.startswith(b"zerojax-peer-watch ") for g, _ in seen), seen
+    assert seen[-1][1] >= peers.HELLO_SECONDS - 0.5, seen
+    assert run.wait() == 0, run.stderr[-3000:]
+  finally:
+    if run.p.poll() is None:
+      run.p.kill()
+  refused = [x for x in run.err if "peer watch refused a connection" in x]
+  assert len(refused) == 5 and all(x.startswith("[0] ") for x in refused), refused
+  assert sum("not a peer's hello" in x for x in refused) == 4, refused  # Garbage too.
+  assert any("no hello within" in x for x in refused), refused
+  assert "is gone" not in run.stderr and losses(tmp_path)[100] > 0

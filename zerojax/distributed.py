@@ -357,5 +357,6 @@ def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | N
         shutdown_timeout_seconds=section.shutdown_timeout)
   finally:
     joined.set()
-  peers.start(setup.process_id, _split_address(setup.coordinator_address)[0])
+  peers.start(setup.process_id, _split_address(setup.coordinator_address)[0],
+              setup.num_processes)
   return setup

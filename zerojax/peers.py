@@ -8,6 +8,17 @@ others learn of process 0's death the same way. Each prints "error: process N is
 collective. A process that leaves deliberately (finished, stopped, failed with its own
 message) says goodbye first and is not reported.
 
+The watch listens on the interface the others reach process 0 on (the coordinator
+address's), and only a process of this run is believed: process 0 makes a random secret
+(shared through JAX's key-value store, never printed) and greets each connection with a
+fresh nonce; a peer answers with its id and HMAC-SHA256(secret, nonce + id). A
+challenge, not a token: what crosses the wire proves the secret for that one connection
+and that one id, so a captured hello cannot be replayed. A connection that does not
+prove it, sends garbage, announces an id out of range or already connected, or sends
+nothing for `HELLO_SECONDS` is closed, with one line on process 0, and no effect on the
+run. (JAX's coordinator itself is not authenticated: whoever reaches it can read the
+secret. README, Multi-host, says what to firewall.)
+
 Why not JAX's coordination service: it only counts missing heartbeats
 (`distributed.heartbeat_timeout`), and its abort cannot be caught (a Python
 `missed_heartbeat_callback` fails with `std::bad_cast` in jaxlib 0.10.2). It stays the
@@ -19,7 +30,10 @@ program wraps its body in `exit_on_lost_peer()`.
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import os
+import secrets
 import selectors
 import socket
 import sys
@@ -45,15 +59,41 @@ def leave(message: str, status: int) -> None:
   os._exit(status)  # pylint: disable=protected-access
 
 
-# The wire format, one line each: a process's id when it connects; "bye" when a process
-# leaves deliberately; from process 0, "lost <id> <cause>".
+# The wire format, one line each: from process 0 on accepting, "zerojax-peer-watch
+# <nonce>"; the peer's hello, "<id> <proof>" (`_proof`); "bye" when a process leaves
+# deliberately; from process 0, "lost <id> <cause>".
 _WATCH_KEY = "zerojax/peer_watch_port"
+_SECRET_KEY = "zerojax/peer_watch_secret"
+_GREETING = b"zerojax-peer-watch"
 _BYE = b"bye"
+HELLO_SECONDS = 5.0  # A connection's hello must arrive within this.
+_HELLO_BYTES = 256  # A longer first line is not a hello.
+
+
+def _proof(secret: bytes, nonce: bytes, pid: int) -> bytes:
+  """The hello's proof: HMAC-SHA256 of the nonce and the id under the run's secret, hex."""
+  return hmac.new(secret, nonce + b" %d" % pid, hashlib.sha256).hexdigest().encode()
+
+
+def _listen(host: str) -> socket.socket:
+  """A listening socket on `host`'s address when it is one of this machine's (the one the
+  others use to reach process 0), else on every interface (a name that resolves to an
+  address held elsewhere: a load balancer's, a container's service)."""
+  for family, _, _, _, address in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+    with contextlib.suppress(OSError):
+      return socket.create_server(address[:2], family=family)
+  print(f"distributed: peer watch: {host} is not an address of this machine; listening on "
+        "every interface (hellos are still checked)", file=sys.stderr, flush=True)
+  dual = socket.has_dualstack_ipv6()
+  return socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                              dualstack_ipv6=dual)
 
 
 @dataclasses.dataclass
 class _Watch:
   process_id: int
+  num_processes: int
+  secret: bytes
   links: dict[int, socket.socket]  # Process 0: one per peer; the others: {0: the link}.
   lost: threading.Event = dataclasses.field(default_factory=threading.Event)
   leaving: bool = False  # Said goodbye: what happens to the others is no longer news.
@@ -62,23 +102,30 @@ class _Watch:
 _watch: _Watch | None = None
 
 
-def start(process_id: int, coordinator_host: str) -> None:
+def start(process_id: int, coordinator_host: str, num_processes: int) -> None:
   """Starts the watch for this process (after `jax.distributed.initialize`)."""
   global _watch
   client = jax_internals.distributed_client()
-  watch = _Watch(process_id, {})
   try:
     if process_id == 0:
-      dual = socket.has_dualstack_ipv6()
-      server = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
-                                    dualstack_ipv6=dual)
+      watch = _Watch(process_id, num_processes, secrets.token_bytes(32), {})
+      server = _listen(coordinator_host)
+      client.key_value_set(_SECRET_KEY, watch.secret.hex())
       client.key_value_set(_WATCH_KEY, str(server.getsockname()[1]))
+      host, port = server.getsockname()[:2]
+      print(f"distributed: peer watch listening on {host}:{port} (a peer proves the run's "
+            "secret)", file=sys.stderr, flush=True)
       target, args = _serve, (watch, server)
     else:
+      secret = bytes.fromhex(client.blocking_key_value_get(_SECRET_KEY, 60_000))
+      watch = _Watch(process_id, num_processes, secret, {})
       port = int(client.blocking_key_value_get(_WATCH_KEY, 60_000))
       link = socket.create_connection((coordinator_host, port), timeout=30)
+      greeting, _, nonce = link.makefile("rb").readline(_HELLO_BYTES).strip().partition(b" ")
+      if greeting != _GREETING or not nonce:
+        raise OSError(f"{coordinator_host}:{port} is not process 0's peer watch")
+      link.sendall(b"%d %s\n" % (process_id, _proof(secret, nonce, process_id)))
       link.settimeout(None)
-      link.sendall(b"%d\n" % process_id)
       watch.links[0] = link
       target, args = _follow, (watch, link)
   except Exception as e:  # pylint: disable=broad-except  (the run can go on without it)
@@ -110,41 +157,81 @@ def _lost(watch: _Watch, pid: int, cause: str) -> None:
   leave(message, exits.PEER_LOST)
 
 
+def _refuse(selector, sock: socket.socket, why: str) -> None:
+  """Closes a connection that is not a peer's, with one line; the run goes on."""
+  where = "an address it no longer has"
+  with contextlib.suppress(OSError, ValueError):
+    where = "%s:%s" % sock.getpeername()[:2]
+  selector.unregister(sock)
+  sock.close()
+  print(f"distributed: peer watch refused a connection from {where}: {why}", file=sys.stderr,
+        flush=True)
+
+
+def _hello(watch: _Watch, line: bytes, nonce: bytes) -> tuple[int | None, str]:
+  """(the peer's id, "") for a hello that proves the secret, else (None, why not)."""
+  pid, _, proof = line.strip().partition(b" ")
+  if not pid.isdigit() or len(proof) != 64:
+    return None, "not a peer's hello"
+  pid, n = int(pid), watch.num_processes
+  if not hmac.compare_digest(proof, _proof(watch.secret, nonce, pid)):
+    return None, f"announced process {pid} without proving the run's secret"
+  if not 0 < pid < n:
+    return None, f"announced process {pid}, not one of 1..{n - 1}"
+  if pid in watch.links:
+    return None, f"announced process {pid}, which is already connected"
+  return pid, ""
+
+
 def _serve(watch: _Watch, server: socket.socket) -> None:
-  """Process 0: accept each peer's link and watch them all."""
+  """Process 0: greet each connection, accept the peers' hellos, watch their links."""
   selector = selectors.DefaultSelector()
   selector.register(server, selectors.EVENT_READ)
-  pending: dict[socket.socket, bytes] = {}  # Links whose id has not arrived yet.
+  pending: dict[socket.socket, tuple[bytes, bytes, float]] = {}  # (nonce, bytes, deadline).
   ids: dict[socket.socket, int] = {}
   while True:
-    for key, _ in selector.select():
+    for key, _ in selector.select(timeout=1.0):
       sock = key.fileobj
       if sock is server:
         conn, _ = server.accept()
-        pending[conn] = b""
+        nonce = secrets.token_hex(16).encode()
+        with contextlib.suppress(OSError):
+          conn.sendall(_GREETING + b" " + nonce + b"\n")
+        pending[conn] = (nonce, b"", time.monotonic() + HELLO_SECONDS)
         selector.register(conn, selectors.EVENT_READ)
         continue
       try:
-        data = sock.recv(64)
+        data = sock.recv(_HELLO_BYTES)
       except OSError:
         data = b""
       closed = not data
-      if sock in pending:  # The peer's first line is its id.
-        pending[sock] += data
-        if b"\n" not in pending[sock] and not closed:
+      if sock in pending:  # The first line is the hello.
+        nonce, got, deadline = pending[sock]
+        got += data
+        if b"\n" not in got:
+          if closed or len(got) >= _HELLO_BYTES:
+            del pending[sock]
+            _refuse(selector, sock, "closed before its hello" if closed else "not a hello")
+          else:
+            pending[sock] = (nonce, got, deadline)
           continue
-        line, _, data = pending.pop(sock).partition(b"\n")
-        if not line.isdigit():  # Not one of ours.
-          selector.unregister(sock)
-          sock.close()
+        del pending[sock]
+        line, _, data = got.partition(b"\n")
+        pid, why = _hello(watch, line, nonce)
+        if pid is None:
+          _refuse(selector, sock, why)
           continue
-        ids[sock] = int(line)
-        watch.links[ids[sock]] = sock
+        ids[sock] = pid
+        watch.links[pid] = sock
       if _BYE in data.split():
         selector.unregister(sock)  # Left deliberately; its own status says how.
         watch.links.pop(ids.pop(sock), None)
       elif closed:
         _lost(watch, ids[sock], "its connection closed: killed or crashed")
+    now = time.monotonic()
+    for sock in [s for s, (_, _, deadline) in pending.items() if deadline < now]:
+      del pending[sock]
+      _refuse(selector, sock, f"no hello within {HELLO_SECONDS:g} s")
 
 
 def _follow(watch: _Watch, link: socket.socket) -> None:
