@@ -385,3 +385,38 @@ def test_strangers_at_the_peer_watch_do_not_stop_the_run(tmp_path):
   assert sum("not a peer's hello" in x for x in refused) == 4, refused  # Garbage too.
   assert any("no hello within" in x for x in refused), refused
   assert "is gone" not in run.stderr and losses(tmp_path)[100] > 0
+
+
+def test_a_hung_process_stops_every_process_with_its_stack(tmp_path):
+  """A launched 2 x 4 run whose process 1 blocks forever at the start of step 25 (the
+  test hook `ZEROJAX_TEST_STALL=1:25`: alive, links and heartbeat up, no progress), with
+  `train.step_timeout=10`: every process exits `HUNG` within the timeout + 10 s, process
+  1's stderr holds the stack of the thread stuck in the hook, and the last committed
+  checkpoint (step 20) resumes in one process."""
+  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+         "--", sys.executable, TRAIN, *TINY, "--config.train.steps=40",
+         "--config.train.step_timeout=10", f"--workdir={tmp_path}"]
+  env = dict(one_process_env(1), ZEROJAX_TEST_STALL="1:25")
+  run = Proc(cmd, env, watch="[0] step     24/40")
+  try:
+    assert run.seen.wait(TIMEOUT), run.stderr[-3000:]
+    stalled = time.monotonic()
+    status = run.wait()
+    took = time.monotonic() - stalled
+  finally:
+    if run.p.poll() is None:
+      run.p.kill()
+  assert status == exits.HUNG, run.stderr[-3000:]
+  assert took <= 10 + 10, took
+  err = run.stderr
+  assert "[1] error: process 1 made no progress" in err and "in step 25" in err, err[-3000:]
+  stack = [x for x in run.err if x.startswith("[1] ")]
+  assert any("in test_stall" in x for x in stack), "".join(stack)[-3000:]
+  assert "[0] error:" in err and "is gone" not in err, err[-3000:]
+  assert "status 7 (HUNG)" in err, err[-2000:]  # The launcher's summary.
+  # The last committed checkpoint resumes (one process, this test's 8 devices).
+  assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == "20"
+  resumed = Proc([sys.executable, TRAIN, *TINY, "--config.train.steps=21",
+                  f"--workdir={tmp_path}"], one_process_env())
+  assert resumed.wait() == 0, resumed.stderr[-3000:]
+  assert "resumed from" in resumed.stdout and "checkpoints/20" in resumed.stdout

@@ -1,7 +1,8 @@
 """The exit statuses of zerojax's commands: one table, so job runners can act on them.
 
 A job runner that restarts on failure should restart on `STOPPED` (the run saved and
-wants to go on) and on `PEER_LOST` / `SAVE_FAILED` once the cause is fixed; it should
+wants to go on), on `HUNG` (the stacks printed say where it stuck) and on `PEER_LOST` /
+`SAVE_FAILED` once the cause is fixed; it should
 not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
 
 | status | name | meaning |
@@ -13,6 +14,7 @@ not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
 | 4 | `INIT_FAILED` | the processes of a multi-host run did not all join in time |
 | 5 | `PEER_LOST` | another process of the run died or a collective failed |
 | 6 | `SAVE_FAILED` | a checkpoint could not be written (disk full, permission) |
+| 7 | `HUNG` | a process made no progress within `train.step_timeout` (every process) |
 | 75 | `STOPPED` | saved and stopped before the last step (b); the same command resumes |
 
 (a) Also: the workdir is locked by another run; the step does not fit the host's memory.
@@ -25,4 +27,5 @@ NON_FINITE = 3
 INIT_FAILED = 4
 PEER_LOST = 5
 SAVE_FAILED = 6
+HUNG = 7
 STOPPED = 75

@@ -61,7 +61,8 @@ def leave(message: str, status: int) -> None:
 
 # The wire format, one line each: from process 0 on accepting, "zerojax-peer-watch
 # <nonce>"; the peer's hello, "<id> <proof>" (`_proof`); "bye" when a process leaves
-# deliberately; from process 0, "lost <id> <cause>".
+# deliberately; from process 0, "lost <id> <cause>"; "hung <what>" from a process whose
+# watchdog fired (`zerojax.watchdog`), passed on by process 0.
 _WATCH_KEY = "zerojax/peer_watch_port"
 _SECRET_KEY = "zerojax/peer_watch_secret"
 _GREETING = b"zerojax-peer-watch"
@@ -136,6 +137,41 @@ def start(process_id: int, coordinator_host: str, num_processes: int) -> None:
   threading.Thread(target=target, args=args, daemon=True, name="zerojax-peer-watch").start()
 
 
+def _wait_for_others(links: list[socket.socket]) -> None:
+  """Waits (briefly) for the others to close their links first: when process 0 exits,
+  its coordinator goes, and JAX would abort them before they read why."""
+  deadline = time.monotonic() + 2
+  for s in links:
+    with contextlib.suppress(OSError):
+      s.settimeout(max(0.01, deadline - time.monotonic()))
+      while s.recv(64):
+        pass
+
+
+def report_hang(what: str) -> None:
+  """This process is hung (its watchdog fired): tell the others, which exit `HUNG`."""
+  if _watch is None:
+    return
+  _watch.leaving = True  # From here a closed link is news no longer.
+  for s in list(_watch.links.values()):
+    with contextlib.suppress(OSError):
+      s.sendall(f"hung {what}\n".encode())
+  _wait_for_others(list(_watch.links.values()))
+
+
+def _hung(watch: _Watch, what: str, sender: int | None = None) -> None:
+  """Another process is hung: pass it on (process 0), exit `HUNG`."""
+  watch.leaving = True
+  if watch.process_id == 0:
+    others = [s for p, s in watch.links.items() if p != sender]
+    for s in others:
+      with contextlib.suppress(OSError):
+        s.sendall(f"hung {what}\n".encode())
+    _wait_for_others(others)
+  leave(f"error: {what} is hung (no progress within train.step_timeout): the run stops; "
+        "the last committed checkpoint resumes", exits.HUNG)
+
+
 def _lost(watch: _Watch, pid: int, cause: str) -> None:
   """A peer died: tell the others (process 0), print, exit `PEER_LOST`."""
   if watch.leaving:
@@ -146,14 +182,7 @@ def _lost(watch: _Watch, pid: int, cause: str) -> None:
   for s in others:
     with contextlib.suppress(OSError):
       s.sendall(f"lost {pid} {cause}\n".encode())
-  # Wait (briefly) for the others to leave first: when process 0 exits, its coordinator
-  # goes, and JAX would abort them before they read why.
-  deadline = time.monotonic() + 2
-  for s in others:
-    with contextlib.suppress(OSError):
-      s.settimeout(max(0.01, deadline - time.monotonic()))
-      while s.recv(64):
-        pass
+  _wait_for_others(others)
   leave(message, exits.PEER_LOST)
 
 
@@ -223,6 +252,9 @@ def _serve(watch: _Watch, server: socket.socket) -> None:
           continue
         ids[sock] = pid
         watch.links[pid] = sock
+      hung = [line[5:] for line in data.splitlines() if line.startswith(b"hung ")]
+      if hung:
+        _hung(watch, hung[0].decode(errors="replace"), ids[sock])
       if _BYE in data.split():
         selector.unregister(sock)  # Left deliberately; its own status says how.
         watch.links.pop(ids.pop(sock), None)
@@ -240,6 +272,8 @@ def _follow(watch: _Watch, link: socket.socket) -> None:
     for line in link.makefile("rb"):
       if line.strip() == _BYE:
         return
+      if line.startswith(b"hung "):
+        _hung(watch, line[5:].decode(errors="replace").strip())
       if line.startswith(b"lost "):
         _, pid, cause = line.decode().strip().split(" ", 2)
         _lost(watch, int(pid), f"{cause}; seen by process 0")

@@ -153,6 +153,9 @@ _ROWS = (
     Field("train.eval_batches", 4, "Held-out batches per evaluation.", range=AT_LEAST_1),
     Field("train.eval_exact_match", 0, "sft: at each evaluation, greedy-decode this many held-out "
           "prompts and report the share answered exactly; 0 = off.", range=NON_NEGATIVE),
+    Field("train.step_timeout", 0.0, "Seconds without progress (a step, an evaluation, a save) "
+          "after which a process prints every thread's stack and every process exits 7; 0 = "
+          "10 x the median of the first 5 steps, at least 300.", range=NON_NEGATIVE),
     Field("train.peak_flops", 0.0, "Peak FLOP/s of one device, for MFU; 0 = from the device kind "
           "(none on CPU).", range=NON_NEGATIVE),
     # checkpoint

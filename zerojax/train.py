@@ -56,6 +56,7 @@ from zerojax import (
   preemption,
   sft,
   units,
+  watchdog,
   workdir,
   xla_flags,
 )
@@ -335,7 +336,12 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
   previous = None
   report.start_bar(t.steps)
+  # A process that stops making progress ends the run with its stacks (exit 7).
+  dog = watchdog.Watchdog(t.step_timeout, jax.process_index())
+  saved = False  # The first save's start-up is not timed.
   for step in range(start + 1, t.steps + 1):
+    dog.mark(f"step {step} (data, dispatch, or waiting on the device)", step=True)
+    watchdog.test_stall(jax.process_index(), step)
     # state.step counts steps already taken, so the batch of update `step` is step - 1.
     state, m = run.train_step(state, batch(run.train_tokens, step - 1, c.seed))
     speed.step(step)
@@ -352,11 +358,15 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
     else:
       report.advance(step)
     if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+      dog.mark(f"evaluation at step {step}")
       eval_loss = evaluate(step)
     if ckpt:
-      ckpt.maybe_save(step, state, run_meta)  # Async: training goes on while it writes.
+      dog.mark(f"checkpoint save at step {step}", watched=saved)
+      # Async: training goes on while it writes.
+      saved = ckpt.maybe_save(step, state, run_meta) or saved
     # --stop_after: exactly like a SIGTERM. After the last step, done is done.
     if step < t.steps and (stop(step) or step == args.stop_after):
+      dog.close()  # The stop's save waits for its write: not a hang.
       if ckpt:
         ckpt.save(step, state, run_meta)  # No-op if maybe_save just saved this step.
         ckpt.close()  # Waits for the write to commit.
@@ -369,6 +379,7 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
              step=step, stopped=True)
       return exits.STOPPED
   stop.close()
+  dog.close()
   if ckpt:
     ckpt.save(t.steps, state, run_meta)  # The final state (no-op if already saved).
     ckpt.close()
