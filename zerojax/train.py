@@ -274,8 +274,9 @@ def restore_or_init(run: Run) -> zerojax.TrainState:
                             built.loss_scaling, params=params)
 
 
-def train_loop(run: Run, state: zerojax.TrainState) -> int:
-  """Steps from `state.step` to `train.steps`: logs, evaluations, checkpoints, stops.
+def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog) -> int:
+  """Steps from `state.step` to `train.steps`: logs, evaluations, checkpoints, stops; each
+  marked on the hang watchdog `dog`.
 
   Returns:
     `exits.DONE` after the last step, `exits.STOPPED` when a signal or --stop_after
@@ -336,8 +337,6 @@ def train_loop(run: Run, state: zerojax.TrainState) -> int:
   speed = metrics.Throughput(t.steps, tokens_per_step, model.flops_per_token(t.seq_len), peak)
   previous = None
   report.start_bar(t.steps)
-  # A process that stops making progress ends the run with its stacks (exit 7).
-  dog = watchdog.Watchdog(t.step_timeout, jax.process_index())
   saved = False  # The first save's start-up is not timed.
   for step in range(start + 1, t.steps + 1):
     dog.mark(f"step {step} (data, dispatch, or waiting on the device)", step=True)
@@ -412,7 +411,11 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   # An error unwinding through here closes them as failed (W&B shows the run failed).
   cleanup.push(lambda error, *_: run.report.close(failed=error is not None))
   run.report.open_writers(c, start)
-  return train_loop(run, state)
+  # A process that stops making progress ends the run with its stacks (exit 7); closed on
+  # every way out (an in-process caller's error must not leave it running).
+  dog = watchdog.Watchdog(c.train.step_timeout, jax.process_index())
+  cleanup.callback(dog.close)
+  return train_loop(run, state, dog)
 
 
 def main(argv: list[str] | None = None) -> int:
