@@ -409,7 +409,9 @@ def test_a_hung_process_stops_every_process_with_its_stack(tmp_path):
   assert status == exits.HUNG, run.stderr[-3000:]
   assert took <= 10 + 10, took
   err = run.stderr
-  assert "[1] error: process 1 made no progress" in err and "in step 25" in err, err[-3000:]
+  # Whichever watchdog fired first (the stuck process's or the one waiting on it), every
+  # process prints its stacks.
+  assert "made no progress" in err and "in step 25" in err, err[-3000:]
   stack = [x for x in run.err if x.startswith("[1] ")]
   assert any("in test_stall" in x for x in stack), "".join(stack)[-3000:]
   assert "[0] error:" in err and "is gone" not in err, err[-3000:]

@@ -30,6 +30,7 @@ program wraps its body in `exit_on_lost_peer()`.
 
 import contextlib
 import dataclasses
+import faulthandler
 import hashlib
 import hmac
 import os
@@ -160,8 +161,12 @@ def report_hang(what: str) -> None:
 
 
 def _hung(watch: _Watch, what: str, sender: int | None = None) -> None:
-  """Another process is hung: pass it on (process 0), exit `HUNG`."""
+  """Another process is hung: pass it on (process 0), print this process's stacks too
+  (which of them is stuck where, whoever's watchdog fired first), exit `HUNG`."""
   watch.leaving = True
+  print(f"error: told that {what} is hung; process {watch.process_id}'s threads:",
+        file=sys.stderr, flush=True)
+  faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
   if watch.process_id == 0:
     others = [s for p, s in watch.links.items() if p != sender]
     for s in others:
