@@ -99,11 +99,12 @@ def jitted(treedef: Any, shardings: tuple) -> Callable:
   return jax.jit(lambda leaves: [_leaf_checksum(x, s) for x, s in zip(leaves, shardings)])
 
 
-def describe(state: Any) -> dict[str, list]:
-  """{leaf path: [shape, dtype, checksum]} of a (sharded) state."""
+def describe(state: Any, name: Callable[[tuple], str] = jax.tree_util.keystr
+             ) -> dict[str, list]:
+  """{name(leaf path): [shape, dtype, checksum]} of a (sharded) state."""
   leaves, treedef = jax.tree.flatten(state)
   sums = jax.device_get(jitted(treedef, tuple(getattr(x, "sharding", None)
                                                   for x in leaves))(leaves))
-  return {jax.tree_util.keystr(path): [list(x.shape), str(x.dtype), int(s)]
+  return {name(path): [list(x.shape), str(x.dtype), int(s)]
           for (path, x), s in zip(jax.tree_util.tree_leaves_with_path(state), sums,
                                   strict=True)}

@@ -34,9 +34,8 @@ def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
     zerojax.checkpoint.CheckpointError: a damaged checkpoint.
   """
   # pylint: disable=import-outside-toplevel
-  import ml_collections
-
   from zerojax import build, checkpoint
+  from zerojax.checkpoint import layout
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     raise HFError("no checkpoints directory: nothing to read", path=directory,
@@ -46,7 +45,9 @@ def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
     steps = ckpt.all_steps()
     if not steps:
       raise HFError("no checkpoint in it", path=directory)
-    config = ml_collections.ConfigDict(ckpt.read_meta(step or steps[-1])["config"])
+    where = os.path.join(directory, str(step or steps[-1]))
+    # The config as the checkpoint's format has it, every key of today's schema set.
+    config = layout.config(layout.upgrade(ckpt.read_meta(step or steps[-1]), where), where)
     if config.model.name != "llama":
       raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
     # Every device here, whatever the run had: stage 3 over all of them.

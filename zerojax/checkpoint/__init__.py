@@ -16,6 +16,9 @@ config, and a checksum, shape and dtype per state leaf).
   message, moves it aside (`<step>.damaged`) and restores the one before.
 - **Restore anywhere.** The state is read straight onto the shardings of any plan
   (`zerojax.abstract_state(plan)`): another mesh, device count or ZeRO stage.
+- **Restore after an upgrade.** Leaves are named by their keys, never by class names,
+  and a checkpoint of an earlier format restores through `layout.MIGRATIONS`; one that
+  cannot be restored is one line naming both zerojax versions and what differs.
 - **A failed save is an error, at once.** orbax writes in a background thread and
   raises its error only at the next save; `maybe_save` (called every step) checks the
   thread and raises `SaveError`, naming the cause (disk full, permission) and the last
@@ -25,26 +28,28 @@ config, and a checksum, shape and dtype per state leaf).
 
 from __future__ import annotations
 
-import asyncio
 import datetime
-import importlib.metadata
 import json
 import logging
 import os
-import re
-import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
-from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 
 from zerojax import checksums, step as step_lib, zero
+from zerojax.checkpoint import layout, orbax_quirks
+from zerojax.checkpoint.errors import CheckpointError, DamagedCheckpointError, SaveError
 from zerojax.config_schema import flatten
+
+__all__ = ["Checkpointer", "CheckpointError", "DamagedCheckpointError", "SaveError",
+           "check_compatible", "layout"]
 
 _policies = ocp.checkpoint_managers
 # How long `close` waits for orbax's write threads (a failed save's siblings) to end.
@@ -58,36 +63,26 @@ _STATE_KEYS = ("precision.param_dtype", "optimizer.name", "optimizer.state_dtype
                "optimizer.update_rule")
 
 
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be used: incompatible with the run, or unreadable."""
-
-
-class DamagedCheckpointError(CheckpointError):
-  """A checkpoint whose files are missing, unreadable or fail their checksums."""
-
-
-class SaveError(RuntimeError):
-  """A checkpoint that could not be written (disk full, no permission, ...)."""
-
-
 def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
   """Raises `CheckpointError` if `config` describes another model than the checkpoint.
 
   Compared: every `model.*` key but those that only change how the model is computed,
-  the param dtype, and the optimizer keys that shape its state. `meta["config"]` is
-  the config the checkpoint was saved with; `config` a ConfigDict or nested dict. The
-  error names every differing key with both values.
+  the param dtype, and the optimizer keys that shape its state. `meta` is the
+  checkpoint's (its "config" the config it was saved with, in the format it was saved
+  in: a key added to the schema since has its default); `config` a ConfigDict or
+  nested dict. The error names every differing key with both values.
   """
-  if "config" not in meta:
+  saved = layout.upgrade(meta, f"checkpoint step {meta.get('step')}")
+  if saved.config is None:
     return  # Saved without a config (a library user's checkpoint): nothing to check.
   # Through JSON, as the saved one went: tuples become lists, and so on.
-  saved = flatten(meta["config"])[0]
   wanted = json.loads(json.dumps(flatten(config)[0], default=str))
-  keys = sorted(k for k in saved.keys() | wanted.keys()
+  keys = sorted(k for k in saved.config.keys() | wanted.keys()
                 if (k.startswith("model.") and k not in _COMPUTE_ONLY) or k in _STATE_KEYS)
   no = "<absent>"
-  diffs = [f"{k}: checkpoint {saved.get(k, no)!r}, config {wanted.get(k, no)!r}"
-           for k in keys if saved.get(k, no) != wanted.get(k, no)]
+  had = {k: layout.saved_value(saved, k, no) for k in keys}
+  diffs = [f"{k}: checkpoint {had[k]!r}, config {wanted.get(k, no)!r}"
+           for k in keys if had[k] != wanted.get(k, no)]
   if diffs:
     raise CheckpointError(
         f"the config contradicts the checkpoint of step {meta.get('step')}:\n  " +
@@ -99,91 +94,6 @@ def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
 # structure error", and a missing manifest a missing array.
 _META_FILES = ("meta/metadata",)
 _STATE_FILES = ("state/_METADATA", "state/manifest.ocdbt")
-# TensorStore ends its messages with annotations such as its whole spec as JSON
-# (kilobytes): [tensorstore_spec='{...}'], [os_error_code='28'].
-_ANNOTATIONS = re.compile(r"\s*\[[a-z_]+(\[\d+\])?='.*$", re.S)
-_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
-_TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+)\) '
-                        r"is not valid for value of size (\d+)")
-
-
-def _cause(error: BaseException, where: str) -> str:
-  """Why orbax or TensorStore failed, in one short line (paths relative to `where`)."""
-  chain = [error]
-  while chain[-1].__cause__ or chain[-1].__context__:
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-  for e in chain:
-    if isinstance(e, OSError) and e.strerror:
-      return e.strerror + (f": {e.filename}" if e.filename else "")
-  text = str(error).strip() or type(error).__name__
-  if m := _TRUNCATED.search(text):
-    name = os.path.relpath(m[1], where) if m[1].startswith(where + os.sep) else m[1]
-    return f"file {name} is truncated ({m[3]} bytes of at least {m[2]})"
-  if m := _OS_ERROR.search(text):
-    return os.strerror(int(m[1]))
-  return _ANNOTATIONS.sub("", text.splitlines()[0])
-
-
-# orbax's event loops still running: one per save thread (`_run_to_the_end` counts them),
-# so `Checkpointer.close` can wait until nothing of a failed save is left to report.
-_loops = threading.Condition()
-_loops_running = 0
-
-
-def _run_to_the_end(coro: Any) -> Any:
-  """orbax's `asyncio_utils._run_sync_via_new_loop`, but the loop is closed only once
-  every task on it has ended, and their exceptions have been retrieved.
-
-  When one read of a restore (or one write of a save) fails, orbax closes its loop with
-  the others still in flight; each then prints "RuntimeError: Event loop is closed"
-  (TensorStore's callback) or "Exception ignored in <coroutine>" long after the error
-  was handled. The other writes fail too (the disk is as full for them), and a task
-  whose exception nobody asked for is logged as "Task exception was never retrieved"
-  when it is collected: `asyncio.gather` would ask, but its callback can still be queued
-  when the loop stops. The first exception is raised; the others are the same failure.
-  """
-  global _loops_running
-  tasks = []
-
-  def task_factory(loop, task_coro, **kwargs):
-    tasks.append(asyncio.Task(task_coro, loop=loop, **kwargs))
-    return tasks[-1]
-
-  loop = asyncio.new_event_loop()
-  loop.set_task_factory(task_factory)
-  with _loops:
-    _loops_running += 1
-  try:
-    asyncio.set_event_loop(loop)
-    return loop.run_until_complete(coro)
-  finally:
-    try:
-      while pending := asyncio.all_tasks(loop):
-        loop.run_until_complete(asyncio.wait(pending))
-      for task in tasks:
-        if not task.cancelled():
-          task.exception()  # Marks it retrieved.
-    finally:
-      asyncio.set_event_loop(None)
-      loop.close()
-      with _loops:
-        _loops_running -= 1
-        _loops.notify_all()
-
-
-def _loops_ended(seconds: float) -> bool:
-  """Waits up to `seconds` for orbax's event loops to end; whether they all did."""
-  with _loops:
-    return _loops.wait_for(lambda: _loops_running == 0, timeout=seconds)
-
-
-def _let_tasks_end() -> None:
-  """Makes orbax run its coroutines (reads, and writes in its background threads) with
-  `_run_to_the_end`, for good: a loop whose tasks all ended is all orbax expects."""
-  if hasattr(orbax_asyncio, "_run_sync_via_new_loop"):  # Else another orbax: its own way.
-    orbax_asyncio._run_sync_via_new_loop = _run_to_the_end  # pylint: disable=protected-access
-
-
 def _read(where: str, what: str, read: Callable[[], Any], needs: tuple[str, ...]) -> Any:
   """`read()`; if it fails on any process, `DamagedCheckpointError` on every one.
 
@@ -201,16 +111,9 @@ def _read(where: str, what: str, read: Callable[[], Any], needs: tuple[str, ...]
   if not ok:
     missing = [f for f in needs if not os.path.exists(os.path.join(where, f))]
     cause = (f"its file {missing[0]} is missing" if missing else
-             _cause(error, where) if error else "failed on another process")
+             orbax_quirks.cause(error, where) if error else "failed on another process")
     raise DamagedCheckpointError(f"{where}: cannot read {what}: {cause}") from error
   return value
-
-
-class _OrbaxErrors(logging.Filter):
-  """Drops orbax's error records (it logs through absl's logger)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 class _SinceLastSave(_policies.SaveDecisionPolicy):
@@ -229,6 +132,12 @@ class _SinceLastSave(_policies.SaveDecisionPolicy):
     last = max([self._start] + [p.time for p in previous_steps[-1:]])
     since = [types.SimpleNamespace(step=-1, time=last, metrics=None)]
     return self._inner.should_save(step, since, context=context)
+
+
+def _filled(leaf: layout.Leaf, sharding: Any) -> jax.Array:
+  """A leaf a migration added: `leaf.fill` everywhere, on `sharding`."""
+  value = np.full(leaf.shape, leaf.fill, jnp.dtype(leaf.dtype))
+  return jax.make_array_from_callback(leaf.shape, sharding, lambda index: value[index])
 
 
 class Checkpointer:
@@ -270,10 +179,10 @@ class Checkpointer:
     # process exits first (say, on a data error right after this); it takes one listing.
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     self._closed, self._failed = False, False
-    _let_tasks_end()
+    orbax_quirks.let_tasks_end()
     # orbax logs a failed write from each of its threads, traceback and all; `SaveError`
     # says it in one line.
-    self._quiet = _OrbaxErrors()
+    self._quiet = orbax_quirks.OrbaxErrors()
     logging.getLogger("absl").addFilter(self._quiet)
 
   def all_steps(self) -> list[int]:
@@ -315,8 +224,8 @@ class Checkpointer:
     if step != int(state.step):  # Waits for the step; saving would, too.
       raise ValueError(f"checkpoint {step} would hold the state of step {int(state.step)}")
     meta = {**(meta or {}), "step": int(step), "data_position": int(step),
-            "zerojax_version": importlib.metadata.version("zerojax"),
-            "leaves": checksums.describe(state)}
+            "zerojax_version": layout.version(), "format": layout.FORMAT,
+            "leaves": checksums.describe(state, name=layout.name)}
     self.wait()  # orbax would, first thing; an earlier failure is that save's.
     try:
       return self._manager.save(step, force=True, args=ocp.args.Composite(
@@ -346,8 +255,9 @@ class Checkpointer:
     self._failed = True
     good = [s for s in self._committed() if s != step]
     where = self._path(step) if step is not None else self.directory
-    return SaveError(f"checkpoint {where} could not be written: {_cause(error, where)}; the "
-                     f"last good checkpoint is {self._path(max(good)) if good else 'none'}")
+    last = self._path(max(good)) if good else "none"
+    return SaveError(f"checkpoint {where} could not be written: "
+                     f"{orbax_quirks.cause(error, where)}; the last good checkpoint is {last}")
 
   def _committed(self) -> list[int]:
     """The committed steps on disk: orbax's list has already dropped the steps a failed
@@ -377,6 +287,10 @@ class Checkpointer:
               config: Any = None) -> tuple[step_lib.TrainState, dict]:
     """Reads checkpoint `step` straight onto the shardings of `target`, verified.
 
+    The checkpoint may be of any format up to `layout.FORMAT`: its leaves are found by
+    name (through `layout.MIGRATIONS` from an older format), read onto the target's
+    shardings from the tree orbax wrote, and placed into the target's structure.
+
     Args:
       step: which checkpoint.
       target: a `ZeroPlan` (any mesh, device count or stage) or its abstract state
@@ -387,34 +301,38 @@ class Checkpointer:
       (state, meta), every leaf bit-identical to what was saved.
 
     Raises:
-      CheckpointError: the config or the target's leaves do not match the checkpoint.
+      CheckpointError: the config or the target's leaves do not match the checkpoint
+        (one line naming both zerojax versions, for the leaves).
       DamagedCheckpointError: unreadable files or failed checksums.
     """
     if isinstance(target, zero.ZeroPlan):
       target = step_lib.abstract_state(target)
     where, meta = self._path(step), self.read_meta(step)
-    saved = meta["leaves"]
     if config is not None:
       check_compatible(meta, config)
-    # Before reading any data: a changed model or optimizer is not damage.
-    wanted = {jax.tree_util.keystr(p): [list(x.shape), str(x.dtype)]
-              for p, x in jax.tree_util.tree_leaves_with_path(target)}
-    had = {k: v[:2] for k, v in saved.items()}
-    differ = [f"{k}: checkpoint {had.get(k, '<absent>')}, target {wanted.get(k, '<absent>')}"
-              for k in sorted(had.keys() | wanted.keys()) if had.get(k) != wanted.get(k)]
-    if differ:
-      raise CheckpointError(f"{where} holds another state than the target:\n  " +
-                            "\n  ".join(differ[:10]))
-    state = _read(where, "the state", lambda: self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state,
-                  _STATE_FILES)
-    got = checksums.describe(state)
-    bad = [k for k in saved if got[k][2] != saved[k][2]]
+    saved, wanted = layout.upgrade(meta, where), layout.names(target)
+    if error := layout.mismatch(saved, wanted, where):
+      raise CheckpointError(error)  # Before reading any data: a changed state is not damage.
+    reads = {saved.leaves[k].disk: x for k, x in wanted.items() if saved.leaves[k].disk}
+    written = _read(where, "the state", lambda: ocp.StandardCheckpointHandler().metadata(
+        epath.Path(where) / "state").tree, _STATE_FILES)
+    ask = jax.tree_util.tree_map_with_path(lambda path, _: (
+        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if (x := reads.get(layout.name(path))) is not None else ocp.PLACEHOLDER), written)
+    got = _read(where, "the state", lambda: layout.names(self._manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(ask))).state),
+                _STATE_FILES)
+    got = {k: x for k, x in got.items() if k in reads}  # Without the skipped leaves.
+    sums = checksums.describe(got, name=lambda path: path[0].key)
+    disk = {x.disk: x for x in saved.leaves.values() if x.disk}
+    bad = [k for k, (_, _, c) in sums.items() if c != disk[k].checksum]
     if bad:
       raise DamagedCheckpointError(
           f"{where}: {len(bad)} arrays fail their checksums (files damaged after "
           f"saving): {', '.join(bad[:5])}")
-    return state, meta
+    leaves = [got[saved.leaves[k].disk] if saved.leaves[k].disk else
+              _filled(saved.leaves[k], x.sharding) for k, x in wanted.items()]
+    return jax.tree.unflatten(jax.tree.structure(target), leaves), meta
 
   def restore_latest(self, target: zero.ZeroPlan | step_lib.TrainState, *,
                      config: Any = None) -> tuple[step_lib.TrainState, dict] | None:
@@ -472,7 +390,7 @@ class Checkpointer:
         errors.append(e)
     # After a failed save orbax's other writes may still be running, and log their
     # tracebacks when they fail: the filter goes once they have all ended.
-    if _loops_ended(_LOOPS_TIMEOUT_S):
+    if orbax_quirks.loops_ended(_LOOPS_TIMEOUT_S):
       logging.getLogger("absl").removeFilter(self._quiet)
     if errors and not reported:
       if isinstance(errors[0], SaveError):
