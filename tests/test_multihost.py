@@ -15,6 +15,7 @@ One module fixture runs train.py five times, two at a time (all fp32, constant l
 Every subprocess is bounded by a timeout; coordinator ports come from binding port 0.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
 TIMEOUT = 300  # Per run; a hung collective or a missing peer becomes a failure.
 LOST_WITHIN = 15  # Seconds from a SIGKILL to the others' exit, with default settings.
+# ... of process 1, whose peer-watch link closes with it (measured: 0.3 s; issue 23 asks 2).
+PEER_LOST_WITHIN = 2
 # fp32 everywhere, so that 1 and 2 processes may differ only by reduction order.
 TINY = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--config.model.n_layers=2",
         "--config.train.seq_len=32", "--config.model.attention_block=32",
@@ -190,7 +193,7 @@ def test_a_killed_process_stops_the_other_at_once_with_one_line(runs):
   survivor = runs["killed"][0]
   assert "detect_s" in runs, f"no step 11:\n{survivor.stdout[-2000:]}{survivor.stderr[-3000:]}"
   assert runs["survivor_rc"] == exits.PEER_LOST, survivor.stderr[-3000:]
-  assert runs["detect_s"] < LOST_WITHIN, runs["detect_s"]
+  assert runs["detect_s"] < PEER_LOST_WITHIN, runs["detect_s"]
   assert survivor.err[-1] == "error: process 1 is gone (its connection closed: killed or crashed)\n"
   assert "Traceback" not in survivor.stderr and "Gloo" not in survivor.stderr
   print(f"survivor exited {runs['survivor_rc']} {runs['detect_s']:.1f} s after the SIGKILL")
@@ -342,49 +345,77 @@ def test_resolve_detects_slurm(monkeypatch):
   assert setup.sources["num_processes"] == "slurm"
 
 
-def probe(port: int, payload: bytes | None) -> tuple[bytes, float]:
-  """A stranger's connection to the peer watch: reads the greeting, sends `payload`
-  (None: nothing), waits for process 0 to close it. Returns (greeting, seconds open)."""
-  start = time.monotonic()
-  with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-    greeting = s.makefile("rb").readline()
+def listening_ports(pid: int) -> set[int]:
+  """The TCP ports process `pid` listens on (Linux: its sockets' inodes in /proc/net/tcp*)."""
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    with contextlib.suppress(OSError):  # An fd closed meanwhile.
+      if (link := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:["):
+        inodes.add(link[len("socket:["):-1])
+  ports = set()
+  for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for row in open(table).read().splitlines()[1:]:
+      fields = row.split()
+      if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN.
+        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+  return ports
+
+
+def stranger(port: int, payload: bytes | None, hold: float) -> tuple[bytes, float]:
+  """Another program's connection: sends `payload` (None: nothing), then reads until the
+  other side closes it or `hold` seconds pass. Returns (what it got, seconds open)."""
+  start, got = time.monotonic(), b""
+  with socket.create_connection(("127.0.0.1", port), timeout=hold) as s:
     if payload is not None:
       s.sendall(payload)
-    try:
-      while s.recv(64):  # Raises socket.timeout if process 0 never closes it.
-        pass
-    except ConnectionResetError:  # Closed with our bytes unread: a reset, still a close.
-      pass
-  return greeting, time.monotonic() - start
+    with contextlib.suppress(TimeoutError, ConnectionResetError):  # Held, or closed unread.
+      while (chunk := s.recv(256)) and time.monotonic() - start < hold:
+        got += chunk
+  return got, time.monotonic() - start
 
 
-def test_strangers_at_the_peer_watch_do_not_stop_the_run(tmp_path):
-  """A launched 2 x 4 run; after its first step a stranger connects to process 0's peer
-  watch five times, sending `1\\n`, `0\\n`, `5\\n`, garbage and nothing. Each connection is
-  closed by process 0 (the silent one after `HELLO_SECONDS`) with one line saying why, the
-  run finishes with status 0, and no output holds the run's secret (the test reads it the
-  way a peer does, from the key-value store, by its HMAC being absent from every line)."""
+PAYLOADS = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, None]
+
+
+def test_strangers_at_every_port_do_not_stop_the_run(tmp_path):
+  """A launched 2 x 4 run; after its first step a stranger connects to each port process 0
+  listens on but JAX's coordinator (the peer watch, gloo's) five times at once, sending
+  `1\\n`, `0\\n`, `5\\n`, garbage, and nothing for 30 s, while the run trains on. The
+  peer watch closes each with one line saying why (the silent one after
+  `HELLO_SECONDS`), and the run finishes with status 0."""
+  port = launch.free_port()
   cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
-         "--", sys.executable, TRAIN, *TINY, "--config.train.steps=100",
+         "--port", str(port), "--", sys.executable, TRAIN, *TINY, "--config.train.steps=160",
          "--config.checkpoint.every_steps=0", f"--workdir={tmp_path}"]
-  run = Proc(cmd, one_process_env(1), watch="[0] step      1/100")
+  run = Proc(cmd, one_process_env(1), watch="[0] step      1/160")
   try:
     assert run.seen.wait(TIMEOUT), run.stderr[-3000:]
     (line,) = [x for x in run.err if "peer watch listening on" in x]
-    port = int(line.strip().rsplit(":", 1)[1].split()[0])
-    payloads = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, None]
-    seen = [probe(port, p) for p in payloads]
-    assert all(g.startswith(b"zerojax-peer-watch ") for g, _ in seen), seen
-    assert seen[-1][1] >= peers.HELLO_SECONDS - 0.5, seen
+    watch = int(line.strip().rsplit(":", 1)[1].split()[0])
+    ports = listening_ports(launched(run.p, 0)) - {port}
+    assert watch in ports, (watch, ports)
+    seen = {}
+
+    def connect(p, payload):
+      seen[p, payload] = stranger(p, payload, hold=30 if payload is None else 5)
+    threads = [threading.Thread(target=connect, args=(p, x)) for p in ports for x in PAYLOADS]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+    assert run.p.poll() is None, "the run ended before the strangers did"  # During training.
     assert run.wait() == 0, run.stderr[-3000:]
   finally:
     if run.p.poll() is None:
       run.p.kill()
+  print(f"process 0 listens on {sorted(ports | {port})}; coordinator {port}, peer watch {watch}")
+  assert all(seen[watch, x][0].startswith(b"zerojax-peer-watch ") for x in PAYLOADS), seen
+  assert peers.HELLO_SECONDS - 0.5 <= seen[watch, None][1] < 30, seen
   refused = [x for x in run.err if "peer watch refused a connection" in x]
   assert len(refused) == 5 and all(x.startswith("[0] ") for x in refused), refused
   assert sum("not a peer's hello" in x for x in refused) == 4, refused  # Garbage too.
   assert any("no hello within" in x for x in refused), refused
-  assert "is gone" not in run.stderr and losses(tmp_path)[100] > 0
+  assert "is gone" not in run.stderr and losses(tmp_path)[160] > 0
 
 
 def test_a_hung_process_stops_every_process_with_its_stack(tmp_path):
