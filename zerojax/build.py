@@ -45,11 +45,19 @@ def build(config, devices=None) -> Built:
 
   import zerojax  # pylint: disable=import-outside-toplevel
   from zerojax import models, optim, precision, sft  # pylint: disable=import-outside-toplevel
-  from zerojax.mesh import mesh_from_config  # pylint: disable=import-outside-toplevel
+  from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
+  from zerojax.mesh import mesh_from_config, processes_per_group  # pylint: disable=import-outside-toplevel
   from zerojax.release import make_release_step  # pylint: disable=import-outside-toplevel
 
   c, t = config, config.train
   mesh = mesh_from_config(c, devices)
+  if c.mesh.sequence_parallel and processes_per_group(mesh) > 1:
+    # Each process reads its own rows (`data.process_rows`); a sequence split over
+    # processes would need the same rows on all of them.
+    raise ConfigError(f"an fsdp group spans {processes_per_group(mesh)} processes, and a "
+                      "sequence split over processes is not supported yet.",
+                      key="mesh.sequence_parallel",
+                      fix="keep each fsdp group in one host: mesh.data = the number of hosts")
   model = models.from_config(c)
   tx, schedule = optim.optimizer_from_config(
       c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
@@ -58,7 +66,8 @@ def build(config, devices=None) -> Built:
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
                            tx, logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size,
-                           offload=c.optimizer.offload == "host")
+                           offload=c.optimizer.offload == "host",
+                           sequence_axes=("fsdp",) if c.mesh.sequence_parallel else ())
   if c.optimizer.release:
     train_step = make_release_step(
         plan, model.layered(), tx, microbatches=t.microbatches,

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload, optim, precision, stage3, step as step_lib, updates, zero
+from zerojax import offload, optim, precision, sequence, stage3, step as step_lib, updates, zero
 
 PyTree = Any
 
@@ -330,11 +330,12 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   shardings = step_lib.state_shardings(plan)
 
   def step(state: step_lib.TrainState, batch: PyTree):
-    step_lib.check_batch(batch, plan.num_data * microbatches, microbatches)
+    step_lib.check_batch(batch, plan.num_examples * microbatches, microbatches)
     params, opt_state, metrics = jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(plan.param_specs, plan.opt_specs, plan.batch_spec),
+        local, mesh=plan.mesh,
+        in_specs=(plan.param_specs, plan.opt_specs, plan.local_batch_spec),
         out_specs=(plan.param_specs, plan.opt_specs, P()), check_vma=False)(
-            state.params, state.opt_state, batch)
+            state.params, state.opt_state, sequence.shard_batch(plan, batch))
     applied = metrics["skipped"] == 0
     loss_scale = precision.update_loss_scale(state.loss_scale, applied, loss_scaling)
     metrics.update(tokens=jnp.asarray(step_lib.leading_size(batch), jnp.float32),

@@ -65,6 +65,10 @@ _ROWS = (
     Field("mesh.data", 1, "Replicas ('data' axis); -1 = the devices left over.", range=MESH_SIZE),
     Field("mesh.fsdp", -1, "Devices the ZeRO state is sharded over ('fsdp' axis); -1 = the rest.",
           range=MESH_SIZE),
+    Field("mesh.sequence_parallel", False, "Split each sequence over the 'fsdp' devices by "
+          "position (Ulysses attention: all-to-all to whole sequences for a share of the "
+          "heads), the examples over 'data' only; llama, fsdp must divide n_heads and "
+          "train.seq_len."),
     # distributed
     Field("distributed.coordinator_address", "", 'host:port of process 0; "" = '
           "$JAX_COORDINATOR_ADDRESS, else SLURM / Open MPI / k8s detection."),

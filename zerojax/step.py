@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload, precision, stage3, updates, zero
+from zerojax import offload, precision, sequence, stage3, updates, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -306,15 +306,15 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   by_layer = by_layer if update_by_layer is None else update_by_layer
 
   def step(state: TrainState, batch: PyTree):
-    check_batch(batch, plan.num_data * microbatches, microbatches)
+    check_batch(batch, plan.num_examples * microbatches, microbatches)
     params = state.params
     rng = jax.random.key_data(jax.random.fold_in(
         jax.random.wrap_key_data(state.rng), state.step))
     grads, loss, aux = jax.shard_map(
         local, mesh=plan.mesh,
-        in_specs=(plan.param_specs, plan.batch_spec, P(), P()),
+        in_specs=(plan.param_specs, plan.local_batch_spec, P(), P()),
         out_specs=(plan.grad_specs, P(), P()), check_vma=False)(
-            params, batch, rng, state.loss_scale.scale)
+            params, sequence.shard_batch(plan, batch), rng, state.loss_scale.scale)
     # `grads` are sums; the mean is `grads * mean_scale`, applied by each consumer (the
     # reductions here, the update slice by slice) rather than once into a second whole
     # fp32 gradient. The arithmetic is the same as scaling first.
@@ -380,8 +380,9 @@ def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, Py
     return dict(loss=mean(loss), **jax.tree.map(mean, aux))
 
   def evaluate(params, batch):
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, plan.batch_spec),
-                         out_specs=P(), check_vma=False)(params, batch)
+    return jax.shard_map(local, mesh=plan.mesh,
+                         in_specs=(plan.param_specs, plan.local_batch_spec),
+                         out_specs=P(), check_vma=False)(params, sequence.shard_batch(plan, batch))
 
   return jax.jit(evaluate, in_shardings=(
       plan.shardings(plan.param_specs),

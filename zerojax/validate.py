@@ -251,6 +251,27 @@ def _fixes(config: ml_collections.ConfigDict, num_devices: int | None,
   return "set " + ", or ".join(working) if working else ""
 
 
+def _check_sequence(config: ml_collections.ConfigDict, fsdp: int | None, source: Source) -> None:
+  """Sequence parallelism: a Llama whose heads and sequence split over the fsdp devices."""
+  m, where = config.model, source_of(source, "mesh.sequence_parallel", "mesh.fsdp")
+  if m.name != "llama":
+    raise ConfigError(f"splits sequences inside Llama's attention; this model is {m.name!r}.",
+                      key="mesh.sequence_parallel", source=where,
+                      fix="use model.name='llama' or mesh.sequence_parallel=False")
+  if fsdp is None:
+    return  # Checked again once the device count is known (train.py always knows it).
+  for what, n, ok in [("model.n_heads", m.n_heads, m.n_heads % fsdp == 0),
+                      ("model.n_kv_heads", m.n_kv_heads,
+                       m.n_kv_heads % fsdp == 0 or fsdp % m.n_kv_heads == 0),
+                      ("train.seq_len", config.train.seq_len, config.train.seq_len % fsdp == 0)]:
+    if not ok:
+      divides = "a divisor or multiple of" if what == "model.n_kv_heads" else "divisible by"
+      raise ConfigError(f"{what}={n} is not {divides} mesh.fsdp={fsdp}, the devices each "
+                        "sequence is split over.", key=what,
+                        source=source_of(source, what, "mesh.fsdp"),
+                        fix=f"use mesh.fsdp dividing {n}, or mesh.sequence_parallel=False")
+
+
 def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: Source,
                    num_devices: int | None, check_fixes: bool) -> None:
   """What gradient release (`zerojax.release`) cannot do yet, named by its keys. Each fix
@@ -343,12 +364,18 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       f"train.seq_len={config.train.seq_len}.", key="model.context",
                       source=source_of(source, "model.context", "train.seq_len"),
                       fix=f"use model.context <= {config.train.seq_len}")
+  sp = config.mesh.sequence_parallel  # The examples are split over 'data' only.
   if num_devices is not None:
     data, fsdp = resolve_mesh_shape(config, num_devices, source=source)
-    _check_batch(config, data * fsdp,
+    _check_batch(config, data if sp else data * fsdp,
+                 f"the example-parallel size (mesh.data = {data}; sequence parallelism splits "
+                 "each sequence over mesh.fsdp)" if sp else
                  f"the data-parallel size (mesh.data x mesh.fsdp = {data * fsdp})", source)
   else:
-    fixed = math.prod(s for s in (config.mesh.data, config.mesh.fsdp) if s > 0)
+    sizes = (config.mesh.data,) if sp else (config.mesh.data, config.mesh.fsdp)
+    fixed = math.prod(s for s in sizes if s > 0)
     _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None
+  if sp:
+    _check_sequence(config, fsdp, source)
   _check_release(config, fsdp, source, num_devices, check_fixes)

@@ -145,6 +145,8 @@ class ZeroPlan:
     offload: the optimizer-state leaves that mirror the params (moments, Kahan /
       master buffers) live in host memory (`memory_kind='pinned_host'`); the update
       streams them to the device and back (`zerojax.offload`). Scalars (counts) stay.
+    sequence_axes: data axes each sequence is split over by position (sequence
+      parallelism, `zerojax.sequence`); the examples are split over the others.
   """
   mesh: Mesh
   stage: int
@@ -156,6 +158,7 @@ class ZeroPlan:
   per_layer: PyTree
   opt_dims: PyTree
   offload: bool = False
+  sequence_axes: tuple[str, ...] = ()
 
   @property
   def num_shards(self) -> int:
@@ -168,8 +171,23 @@ class ZeroPlan:
 
   @property
   def num_data(self) -> int:
-    """Devices the batch is split over."""
+    """Devices the batch is split over (by examples, or by positions too)."""
     return math.prod(self.mesh.shape[a] for a in self.data_axes)
+
+  @property
+  def example_axes(self) -> tuple[str, ...]:
+    """Data axes the examples are split over: all but the sequence axes."""
+    return tuple(a for a in self.data_axes if a not in self.sequence_axes)
+
+  @property
+  def num_examples(self) -> int:
+    """Devices the examples are split over: the global batch must divide by this."""
+    return math.prod(self.mesh.shape[a] for a in self.example_axes)
+
+  @property
+  def sequence_size(self) -> int:
+    """Devices each sequence is split over (1: no sequence parallelism)."""
+    return math.prod(self.mesh.shape[a] for a in self.sequence_axes)
 
   @property
   def replica_axes(self) -> tuple[str, ...]:
@@ -231,8 +249,15 @@ class ZeroPlan:
 
   @property
   def batch_spec(self) -> P:
-    """Every batch leaf is split along its leading (example) dimension."""
-    return P(self.data_axes)
+    """The global batch's layout: every leaf split along its leading (example) dimension."""
+    return P(self.example_axes or None)
+
+  @property
+  def local_batch_spec(self) -> P:
+    """The layout the step's `shard_map` takes the batch in: `batch_spec`, and with
+    sequence parallelism each [B, T] leaf's positions split over the sequence axes."""
+    return P(self.example_axes or None, self.sequence_axes) if self.sequence_axes else (
+        self.batch_spec)
 
   def shardings(self, specs: PyTree) -> PyTree:
     """NamedShardings on the plan's mesh for a tree of PartitionSpecs."""
@@ -257,7 +282,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               logical_axes: PyTree | None = None,
               min_shard_size: int = 4096,
               shard_axes: tuple[str, ...] = ("fsdp",),
-              offload: bool = False) -> ZeroPlan:
+              offload: bool = False,
+              sequence_axes: tuple[str, ...] = ()) -> ZeroPlan:
   """Plans the sharding of a parameter pytree and its optimizer state.
 
   Args:
@@ -273,6 +299,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     min_shard_size: leaves with fewer elements stay replicated.
     shard_axes: mesh axes to shard over; ('data', 'fsdp') shards over every device.
     offload: keep the optimizer state's param-shaped leaves in host memory.
+    sequence_axes: mesh axes to split each sequence over (sequence parallelism;
+      `zerojax.sequence`); the batch's examples are split over the other axes.
 
   Returns:
     The `ZeroPlan`.
@@ -286,6 +314,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   if unknown:
     raise ValueError(f"shard axes {sorted(unknown)} are not mesh axes {mesh.axis_names}")
   data_axes = tuple(a for a in mesh.axis_names if a in MESH_AXES)
+  if set(sequence_axes) - set(data_axes):
+    raise ValueError(f"sequence axes {sequence_axes} are not data axes {data_axes}")
   shards = math.prod(mesh.shape[a] for a in shard_axes)
   if logical_axes is None:
     logical_axes = jax.tree.map(lambda _: None, params)
@@ -324,7 +354,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   return ZeroPlan(mesh=mesh, stage=stage, shard_axes=tuple(shard_axes),
                   data_axes=data_axes, params=abstract(params),
                   opt_state=abstract(opt_state), param_dims=param_dims,
-                  per_layer=per_layer, opt_dims=opt_dims, offload=offload)
+                  per_layer=per_layer, opt_dims=opt_dims, offload=offload,
+                  sequence_axes=tuple(sequence_axes))
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:

@@ -25,7 +25,9 @@ def from_config(config):
   if m.name == "mlp_lm":
     fields = {f.name for f in dataclasses.fields(MlpLM)} - set(dtypes)
     return MlpLM(**{k: m[k] for k in fields}, **dtypes)
-  return LlamaLM(LlamaConfig.from_keys(m, **dtypes))
+  # Sequence parallelism splits each sequence over the ZeRO axis (`zerojax.sequence`).
+  axis = "fsdp" if config.mesh.sequence_parallel else None
+  return LlamaLM(LlamaConfig.from_keys(m, **dtypes, sequence_axis=axis))
 
 
 __all__ = ["LlamaConfig", "LlamaLM", "MlpLM", "from_config"]

@@ -92,6 +92,33 @@ def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> 
   return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
 
 
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          segment_ids: jax.Array | None = None) -> jax.Array:
+  """Causal grouped-query attention by `jax.nn.dot_product_attention`: cuDNN's fused
+  kernel on a GPU in bf16/fp16, else XLA's (which materialises the scores). Shapes as
+  `blocked_attention`'s.
+
+  Packed rows: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
+  turns into a [B, 1, T, T] bias (the whole scores' size, in the compute dtype).
+  """
+  # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
+  cudnn = zerojax_gpu.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  mask = (None if segment_ids is None else
+          (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                      scale=q.shape[-1] ** -0.5,
+                                      implementation="cudnn" if cudnn else "xla")
+
+
+def causal_attention(kernel: str, block: int, q: jax.Array, k: jax.Array, v: jax.Array,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
+  """The `attention_kernel` named `kernel` ('blocked' with query blocks of `block`, or
+  'dot_product') on [B, T, H, Dh] queries and [B, T, K, Dh] keys and values."""
+  if kernel == "dot_product":
+    return dot_product_attention(q, k, v, segment_ids)
+  return blocked_attention(q, k, v, block, segment_ids)
+
+
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
                       segment_ids: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention, one block of queries at a time.

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from zerojax import gpu as zerojax_gpu
-from zerojax.models.attention import attention_kernel, blocked_attention, cached_attention
+from zerojax import sequence
+from zerojax.models.attention import attention_kernel, cached_attention, causal_attention
 from zerojax.models.chunked_loss import chunked_nll
 from zerojax.models.remat import POLICIES, named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
@@ -76,6 +76,9 @@ class LlamaConfig:
     remat: per-layer rematerialization, one of `zerojax.models.remat.POLICIES`: 'none',
       'full' (save only layer inputs), 'dots' (also matmul outputs without batch dims)
       or a set of named values ('minimal', 'save_qkv_proj', ...).
+    sequence_axis: the mesh axis each sequence is split over inside the train step's
+      `shard_map` (sequence parallelism: Ulysses attention, `zerojax.sequence`); None:
+      every device holds whole sequences.
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -93,6 +96,7 @@ class LlamaConfig:
   attention_block: int = 512
   loss_chunk: int = 1024
   remat: str = "full"
+  sequence_axis: str | None = None
 
   def __post_init__(self):
     for ok, message in [
@@ -199,17 +203,11 @@ class Attention(nn.Module):
       keys = keys.at[at].set(k.astype(keys.dtype), mode="drop")
       values = values.at[at].set(v.astype(values.dtype), mode="drop")
       out = cached_attention(q, keys, values, positions)
-    elif attention_kernel(c.attention, q.dtype) == "dot_product":
-      # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
-      cudnn = zerojax_gpu.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-      # Packed: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
-      # turns into a [B, 1, T, T] bias (whole scores' size, in the compute dtype).
-      mask = (None if segment_ids is None else
-              (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
-      out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=Dh ** -0.5,
-                                         implementation="cudnn" if cudnn else "xla")
     else:
-      out = blocked_attention(q, k, v, c.attention_block, segment_ids)
+      kernel = functools.partial(causal_attention, attention_kernel(c.attention, q.dtype),
+                                 c.attention_block)
+      out = (kernel(q, k, v, segment_ids) if c.sequence_axis is None else
+             sequence.attention(q, k, v, segment_ids, c.sequence_axis, kernel))
     out = named(out.reshape(B, T, H * Dh), "attention_out")
     out = named(_dense(c, c.d_model, ("heads", "embed"), "o_proj")(out), "o_proj")
     return out if cache is None else (out, (keys, values))
@@ -349,8 +347,8 @@ class Llama(nn.Module):
 
 
 def logits(config: LlamaConfig, params: Params, tokens: jax.Array) -> jax.Array:
-  """Next-token logits, float32[B, T, V], for int32[B, T] tokens (tests, eval)."""
-  return Llama(config).apply({"params": params}, tokens)
+  """Next-token logits, float32[B, T, V], for int32[B, T] tokens (tests; whole sequences)."""
+  return Llama(dataclasses.replace(config, sequence_axis=None)).apply({"params": params}, tokens)
 
 
 def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
@@ -369,10 +367,10 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
     The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T).
   """
   del rng
-  tokens = batch["tokens"]
-  x = Llama(config).apply({"params": params}, tokens[:, :-1], batch.get("positions"),
+  inputs, targets = sequence.inputs_and_targets(batch)  # Either form: see its docstring.
+  x = Llama(config).apply({"params": params}, inputs, batch.get("positions"),
                           batch.get("segment_ids"), method=Llama.hidden)
-  return head_loss(config, params, x, tokens[:, 1:], batch.get("loss_mask"))
+  return head_loss(config, params, x, targets, batch.get("loss_mask"))
 
 
 def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,
@@ -390,7 +388,8 @@ def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Ar
 def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
   """Params boxed with logical axis names (for `jax.eval_shape`); shapes do not depend
   on `seq_len`. HF's init: normal(0.02) for embeddings and kernels, ones for norms."""
-  return Llama(config).init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
+  whole = dataclasses.replace(config, sequence_axis=None)  # Outside the step's mesh axes.
+  return Llama(whole).init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"]
 
 
 def param_shapes(config: LlamaConfig) -> ParamShapes:
@@ -490,10 +489,11 @@ class LlamaLM:
 
     return LayeredLoss(
         embed=lambda rest, batch: Llama(c).apply(
-            {"params": rest}, batch["tokens"][:, :-1], method=lambda m, t: m.embed_tokens(t)),
+            {"params": rest}, sequence.inputs_and_targets(batch)[0],
+            method=lambda m, t: m.embed_tokens(t)),
         layer=layer,
-        head_loss=lambda rest, x, batch: head_loss(c, rest, x, batch["tokens"][:, 1:],
-                                                   batch.get("loss_mask")),
+        head_loss=lambda rest, x, batch: head_loss(
+            c, rest, x, sequence.inputs_and_targets(batch)[1], batch.get("loss_mask")),
         stack="layers")
 
   def flops_per_token(self, seq_len: int) -> float:

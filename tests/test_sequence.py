@@ -1,0 +1,95 @@
+"""Sequence parallelism (`zerojax.sequence`): each sequence split over the 8 fsdp devices,
+Ulysses attention, fp32. The sequence-parallel step computes the step without it, on
+packed rows whose examples cross the slices' boundaries: at stages 1 and 3, with
+gradient release; and the gradients of every leaf agree to 1e-5 of the leaf's norm."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax import build, sequence
+from zerojax.config import ConfigError, load_config
+from zerojax.models.attention import causal_attention
+
+from test_release_packed import packed_batches
+
+SEQ, BATCH = 64, 8  # Slices of 8 positions: the 4-10 token examples cross them.
+TINY = ["model.d_model=64", "model.n_heads=8", "model.n_layers=2", "model.d_ff=128",
+        f"train.seq_len={SEQ}", f"train.global_batch_size={BATCH}", "model.attention_block=16",
+        "model.loss_chunk=32", "model.remat=full", "precision.param_dtype=float32",
+        "precision.compute_dtype=float32", "optimizer.name=sgd", "optimizer.momentum=0.0",
+        "optimizer.weight_decay=0.0", "optimizer.grad_clip=0.0", "optimizer.learning_rate=1.0",
+        "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+        "optimizer.update_rule=nearest", "optimizer.state_dtype=float32", "train.steps=2"]
+
+
+def relative(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2, 1])
+def test_ulysses_attention_is_attention_of_the_whole_sequence(kv_heads):
+  """Over 8 devices: KV heads split (8), repeated 4 and 8 times (2, 1); packed segment ids
+  crossing the slices; values and the gradients of q, k and v, under jit."""
+  mesh = zerojax.make_mesh(1, 8)
+  rs = np.random.RandomState(kv_heads)
+  B, T, H, Dh = 2, 64, 8, 4
+  q = jnp.asarray(rs.normal(size=(B, T, H, Dh)), jnp.float32)
+  k, v = (jnp.asarray(rs.normal(size=(B, T, kv_heads, Dh)), jnp.float32) for _ in range(2))
+  seg = jnp.asarray(np.cumsum(rs.rand(B, T) < 0.12, axis=1), jnp.int32)
+  kernel = functools.partial(causal_attention, "blocked", 16)
+  spec = P(None, "fsdp")
+  split = jax.shard_map(
+      lambda q, k, v, s: sequence.attention(q, k, v, s, "fsdp", kernel), mesh=mesh,
+      in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
+  cotangent = jnp.asarray(rs.normal(size=q.shape), jnp.float32)
+  run = lambda f: jax.jit(lambda q, k, v: jax.vjp(lambda *a: f(*a, seg), q, k, v))
+  (whole, vjp), (got, got_vjp) = run(kernel)(q, k, v), run(split)(q, k, v)
+  assert relative(got, whole) < 1e-6
+  for g, want in zip(got_vjp(cotangent), vjp(cotangent)):
+    assert relative(g, want) < 1e-5
+
+
+def test_kv_heads_that_do_not_split_are_refused():
+  with pytest.raises(ValueError, match="n_kv_heads \\(3\\) divisible by 8, or a divisor"):
+    sequence.kv_repeats(24, 3, 8)
+  with pytest.raises(ConfigError, match="model.n_heads=4 is not divisible by mesh.fsdp=8"):
+    load_config("configs/tiny.py", ["mesh.sequence_parallel=True"], num_devices=8)
+  with pytest.raises(ConfigError, match="train.global_batch_size.*example-parallel size"):
+    load_config("configs/tiny.py", [*TINY, "mesh.sequence_parallel=True", "mesh.data=2",
+                                    "train.global_batch_size=3"], num_devices=8)
+
+
+def grads_of_one_step(overrides, batch):
+  """Loss and every param's gradient (SGD with rate 1: params before - after) of one
+  step of the tiny Llama built by train.py's `build`, on 8 devices."""
+  config = load_config("configs/tiny.py", [*TINY, *overrides], num_devices=8)
+  built = build.build(config)
+  state = zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(0))
+  before = jax.device_get(state.params)
+  batch = jax.device_put(batch, built.batch_sharding)
+  state, metrics = built.train_step(state, batch)
+  after = jax.device_get(state.params)
+  return float(metrics["loss"]), jax.tree.map(lambda b, a: b - a, before, after)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("zero.stage=3",), ("zero.stage=1",), ("zero.stage=3", "optimizer.release=True")],
+    ids=["stage3", "stage1", "stage3_release"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "tokens"])
+def test_the_sequence_parallel_step_is_the_step(overrides, packed):
+  """Packed rows (segment ids, restarting positions, a loss mask) and plain token rows
+  (the positions 0..T-1 that each slice gets from the split)."""
+  (batch,) = packed_batches(steps=1, batch=BATCH, seq=SEQ, vocab=256)
+  batch = batch if packed else {"tokens": batch["tokens"]}
+  loss, grads = grads_of_one_step(overrides, batch)
+  sp_loss, sp_grads = grads_of_one_step((*overrides, "mesh.sequence_parallel=True"), batch)
+  assert abs(sp_loss - loss) <= 1e-6 * abs(loss)
+  worst = max(jax.tree.leaves(jax.tree.map(relative, sp_grads, grads)))
+  assert worst < 1e-5, worst
