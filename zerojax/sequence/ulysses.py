@@ -68,3 +68,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
   if segment_ids is not None:
     segment_ids = jax.lax.all_gather(segment_ids, axis, axis=1, tiled=True)
   return _to_sequence(kernel(q, k, v, segment_ids), axis)
+
+
+def all_to_all_bytes(rows: int, seq_len: int, n: int, n_heads: int, n_kv_heads: int,
+                     head_dim: int, itemsize: int, remat: str) -> int:
+  """Bytes one device puts into all-to-alls per layer and step (operands; (n - 1) / n of
+  them leave the device): q and the output [rows, seq_len / n, H, Dh], k and v with
+  their repeats, in the forward pass, the backward pass (their transposes) and, unless
+  `remat` is 'none', the forward's recomputation (the traded values are not saved).
+
+  Measured against the compiled step: `tests/test_sequence.py`.
+  """
+  r = kv_repeats(n_heads, n_kv_heads, n)
+  one_pass = rows * (seq_len // n) * head_dim * itemsize * 2 * (n_heads + n_kv_heads * r)
+  return one_pass * (2 if remat == "none" else 3)
