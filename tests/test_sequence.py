@@ -4,6 +4,7 @@ packed rows whose examples cross the slices' boundaries: at stages 1 and 3, with
 gradient release; and the gradients of every leaf agree to 1e-5 of the leaf's norm."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+import zerojax.train
 from zerojax import build, sequence
 from zerojax.config import ConfigError, load_config
 from zerojax.models.attention import causal_attention
@@ -115,3 +117,33 @@ def test_all_to_all_bytes_per_layer_are_the_formula(remat, kv_heads):
   want = sequence.ulysses.all_to_all_bytes(BATCH, SEQ, 8, m.n_heads, m.n_kv_heads,
                                            m.d_model // m.n_heads, 2, remat)
   assert sum(c.operand_bytes * c.trips for c in found) == layers * want
+
+
+@pytest.mark.slow
+def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_exactly(
+    tmp_path):
+  """train.py (this process: `zerojax.train.main`), one sequence of 8192 tokens a step
+  over the 8 devices: the held-out loss falls, and 2 steps, a stop, 2 more = 4 straight
+  (every step's metrics, and the last checkpoint bit for bit)."""
+  from test_train import checkpoint_leaves, step_records  # pylint: disable=import-outside-toplevel
+  common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
+      "mesh.sequence_parallel=True", "model.n_heads=8", "model.n_layers=1", "model.d_model=32",
+      "model.d_ff=96", "train.seq_len=8192", "train.global_batch_size=1",
+      "model.attention_block=1024", "model.loss_chunk=2048", "train.steps=4",
+      "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+      "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.tensorboard=False"))]
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  assert zerojax.train.main([*common, f"--workdir={straight}"]) == 0
+  assert zerojax.train.main([*common, "--stop_after=2", f"--workdir={resumed}"]) == 75
+  assert zerojax.train.main([*common, f"--workdir={resumed}"]) == 0
+  timing = ("tokens_per_s", "eta_s", "mfu")
+  a, b = ([{k: v for k, v in r.items() if k not in timing} for r in step_records(w)]
+          for w in (straight, resumed))
+  assert [r["step"] for r in b] == list(range(1, 5)) and a == b
+  evals = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+  held_out = [r["eval_loss"] for r in evals if "eval_loss" in r]
+  assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.1, held_out  # 5.56 -> 5.31
+  leaves = [checkpoint_leaves(w / "checkpoints" / "4") for w in (straight, resumed)]
+  assert leaves[0].keys() == leaves[1].keys()
+  for k in leaves[0]:
+    np.testing.assert_array_equal(leaves[0][k], leaves[1][k], err_msg=k)
