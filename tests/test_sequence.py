@@ -19,6 +19,7 @@ from zerojax.config import ConfigError, load_config
 from zerojax.models.attention import causal_attention
 from zerojax.testing import hlo
 
+from test_release import relative
 from test_release_packed import packed_batches
 
 SEQ, BATCH = 64, 8  # Slices of 8 positions: the 4-10 token examples cross them.
@@ -29,11 +30,6 @@ TINY = ["model.d_model=64", "model.n_heads=8", "model.n_layers=2", "model.d_ff=1
         "optimizer.weight_decay=0.0", "optimizer.grad_clip=0.0", "optimizer.learning_rate=1.0",
         "optimizer.schedule=constant", "optimizer.warmup_steps=0",
         "optimizer.update_rule=nearest", "optimizer.state_dtype=float32", "train.steps=2"]
-
-
-def relative(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 @pytest.mark.parametrize("kv_heads", [8, 2, 1])

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax import data, exits, metrics, optim, sft_demo
+from zerojax.checkpoint import layout
 from zerojax.config import base_config
 from zerojax.devices import fake_devices_env
 from zerojax.mesh import make_mesh
@@ -202,14 +203,15 @@ def step_records(workdir) -> list[dict]:
 
 
 def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
-  """{leaf path: array} of a checkpoint's whole train state, read from disk by orbax."""
+  """{leaf name (`layout.name`): array} of a checkpoint's whole train state, read from
+  disk by orbax as it wrote it (no target)."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   path = os.path.join(step_dir, "state")
   with ocp.PyTreeCheckpointer() as reader:
     tree = reader.metadata(path).item_metadata.tree
     as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
     state = reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
-  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
+  return layout.names(state)
 
 
 @pytest.mark.slow

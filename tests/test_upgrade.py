@@ -15,12 +15,13 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import zerojax.train
 from zerojax import build, checkpoint, exits, optim
 from zerojax.checkpoint import layout
+
+from test_train import checkpoint_leaves
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = sorted(glob.glob(os.path.join(HERE, "fixtures", "checkpoints", "format_*", "*")))
@@ -51,11 +52,7 @@ def restore(directory: str, config: Any = None):
 
 def on_disk(directory: str) -> dict[str, np.ndarray]:
   """{name: array} of checkpoint 2's state as orbax wrote it, read without a target."""
-  path = os.path.join(directory, "2", "state")
-  with ocp.PyTreeCheckpointer() as reader:
-    tree = reader.metadata(path).item_metadata.tree
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    return layout.names(reader.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy)))
+  return checkpoint_leaves(os.path.join(directory, "2"))
 
 
 def test_the_current_format_has_its_fixtures():
