@@ -273,7 +273,7 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
     assert x.keys() == y.keys()
     differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
     assert not differ, f"step {step}: {differ}"
-  assert int(x["['step']"]) == 2 * k and x["['rng']"].shape == (2,)
+  assert int(x["step"]) == 2 * k and x["rng"].shape == (2,)
   if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params).
     said = subprocess.run([sys.executable, "-m", "zerojax.generate", f"--workdir={resumed}",
                            "--prompt=12+30=", "--max_new=8"], cwd=REPO, env=env,
