@@ -69,7 +69,8 @@ _MODEL_ONLY = {
     "mlp_lm": ("context",),
     "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
-              "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk"),
+              "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk",
+              "activation_offload"),
 }
 
 
@@ -378,4 +379,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None
   if sp:
     _check_sequence(config, fsdp, source)
+  if config.model.activation_offload != "none" and config.model.remat == "none":
+    raise ConfigError("moves what remat saves per layer to host memory; with "
+                      "model.remat='none' the backward pass keeps every value of every layer.",
+                      key="model.activation_offload",
+                      source=source_of(source, "model.activation_offload", "model.remat"),
+                      fix="use model.remat='full' (or a named policy), or "
+                          "model.activation_offload='none'")
   _check_release(config, fsdp, source, num_devices, check_fixes)

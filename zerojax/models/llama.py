@@ -79,6 +79,7 @@ class LlamaConfig:
     sequence_axis: the mesh axis each sequence is split over inside the train step's
       `shard_map` (sequence parallelism: Ulysses attention, `zerojax.sequence`); None:
       every device holds whole sequences.
+    activation_offload: 'host': remat's saved values in host memory (`zerojax.streaming`).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -97,6 +98,7 @@ class LlamaConfig:
   loss_chunk: int = 1024
   remat: str = "full"
   sequence_axis: str | None = None
+  activation_offload: str = "none"
 
   def __post_init__(self):
     for ok, message in [
@@ -109,6 +111,7 @@ class LlamaConfig:
         (self.remat in POLICIES, f"remat must be one of {POLICIES}"),
         (min(self.attention_block, self.loss_chunk) > 0,
          "attention_block and loss_chunk must be positive"),
+        (self.activation_offload in ("none", "host"), "activation_offload: 'none' or 'host'"),
         (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS,
          f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}")]:
       if not ok:
@@ -320,12 +323,11 @@ class Llama(nn.Module):
     x = self.embed_tokens(tokens)
     cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
     if c.remat != "none" and not self.is_initializing():
-      # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
-      # whose backward pass writes each layer's gradient over the (fp32) params it was
-      # given instead of into a second whole-model array: 4 bytes per param less.
+      # `self.layers` run by `zerojax.scan_layers`, whose backward pass writes each layer's
+      # gradient over the (fp32) params given, not into a second model: 4 B/param less.
       return scan_layers(functools.partial(apply_block, c),
                          self.variables["params"]["layers"], x, cos, sin, segment_ids,
-                         policy=policy(c.remat))
+                         policy=policy(c.remat), offload=c.activation_offload == "host")
     x, _ = self.layers(x, (cos, sin), segment_ids)
     return x
 
@@ -375,12 +377,10 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
 
 def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,
               loss_mask: jax.Array | None = None) -> jax.Array:
-  """Cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]:
-  the final norm and head, `loss_chunk` positions at a time (`chunked_nll`), so the
-  fp32 logits of the whole sequence are never alive. `params` needs only the non-layer
-  leaves (norm, head or the tied embedding). Returns the float32 scalar sum over B x T
-  positions of nll x loss_mask (float[B, T], default 1) / (B x T).
-  """
+  """Cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]: the
+  final norm and head, `loss_chunk` positions at a time (`chunked_nll`: no whole-sequence
+  fp32 logits); `params`: the non-layer leaves. Returns the float32 sum over B x T
+  positions of nll x loss_mask (float[B, T], default 1) / (B x T)."""
   head = lambda h: Llama(config).apply({"params": params}, h, method=Llama.head)
   return chunked_nll(head, x, targets, config.loss_chunk, loss_mask)
 
@@ -494,7 +494,7 @@ class LlamaLM:
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
             c, rest, x, sequence.inputs_and_targets(batch)[1], batch.get("loss_mask")),
-        stack="layers")
+        stack="layers", offload=c.activation_offload == "host")
 
   def flops_per_token(self, seq_len: int) -> float:
     return flops_per_token(self.config, seq_len)
