@@ -126,7 +126,8 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
     arguments -= host
   return compiled, dict(arguments=arguments, temporaries=mem.temp_size_in_bytes,
                         outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
-                        host_arguments=host, seconds=time.perf_counter() - start)
+                        host_arguments=host, host_temporaries=mem.host_temp_size_in_bytes,
+                        seconds=time.perf_counter() - start)
 
 
 def compiled_memory(built: Built, dump_to: str | None = None) -> dict:
