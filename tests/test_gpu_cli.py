@@ -124,6 +124,20 @@ def test_train_dry_run_compiles_for_a_target(capsys):
   assert stop.value.code == 2
 
 
+def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
+  """configs/70b_256k_8x80gb.py through train.py's dry run for 8 x H100: one 262,144-token
+  sequence over the 8 devices (sequence parallelism), the layer inputs in host memory:
+  at most 70 GiB a device, and the host temporaries are the 80 layers' inputs, [32768,
+  8192] bf16 each, as reported."""
+  path = os.path.join(ROOT, "configs", "70b_256k_8x80gb.py")
+  assert train.main(["--config", path, "--dry_run", "--target", "h100:8"]) == 0
+  text = capsys.readouterr().out
+  assert "verdict: fits" in text and "262144" in text
+  (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
+  assert float(total) <= 70, total
+  assert "saved activations 40.00 GiB in host memory" in text
+
+
 def test_fit_finds_a_recipe_for_8_a100_40gb_and_the_compiler_agrees():
   """The README's 8 x A100 40GB row: the cheapest recipe the planner finds for the 70B,
   checked by XLA's GPU compiler."""
