@@ -3,7 +3,7 @@
 Each position of an MLP is computed alone, so the sequence can be cut anywhere and no
 mask is involved. At long context the SwiGLU's [B, T, F] temporaries (gate, up, their
 product and, in the backward pass, the gradient of each) outgrow the rest of a layer:
-at 70B, 32K positions a device make 1.9 GB per buffer in bf16. Run `chunk` positions at
+at 70B, 32K positions a device make 1.9 GB per buffer in bf16 (arithmetic). Run `chunk` positions at
 a time, each tile under `jax.checkpoint`, and one tile's temporaries are alive, forward
 or backward; the backward pass recomputes a tile's gate and up from the tile's input.
 The layer's remat policy still decides what is kept: one that saves gate and up ('dots'
