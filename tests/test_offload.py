@@ -49,8 +49,8 @@ def make(model, tx, stage=3, offload=False, mesh_shape=(1, 8)):
 
 
 def make_step(kind, plan, model, tx):
-  if kind == "release":
-    return make_release_step(plan, model.layered(), tx)
+  if kind in ("release", "release read ahead"):  # On CPU read ahead only when asked.
+    return make_release_step(plan, model.layered(), tx, read_ahead=kind != "release")
   if kind == "release accumulation":  # 2 microbatches absorbed, per-layer clipping.
     return make_release_step(plan, model.layered(), tx, microbatches=2,
                              accumulation="optimizer", max_grad_norm=0.2, clipping="per_layer")
@@ -66,7 +66,8 @@ def run(kind, plan, model, tx, data):
 
 
 @pytest.mark.parametrize("stage, kind", [(1, "by layer"), (3, "by layer"), (3, "whole tree"),
-                                         (3, "release"), (3, "release accumulation")])
+                                         (3, "release"), (3, "release read ahead"),
+                                         (3, "release accumulation")])
 def test_offloaded_step_equals_the_normal_step(stage, kind):
   """3 steps of AdamW + Kahan in fp32: every param and state leaf within 1e-6 relative
   of the same step without offload, the offloaded leaves (mu, nu, Kahan buffer) in
@@ -122,19 +123,21 @@ def _subjaxprs(eqn):
 
 
 # Reading a host value is allowed only to slice it and move it; reshapes (a layer's
-# squeeze, its expansion before the write back, release's stacks as rows) and control
-# flow pass values through.
+# squeeze, its expansion before the write back, release's stacks as rows), control flow
+# and the barrier that orders a read ahead before a write (`streaming.read_ahead`) pass
+# values through.
 MOVE_ONLY = {"device_put", "dynamic_slice", "dynamic_update_slice", "squeeze", "reshape",
-             "broadcast_in_dim", "jit", "scan", "while", "shard_map"}
+             "broadcast_in_dim", "jit", "scan", "while", "shard_map", "optimization_barrier"}
 
 
-@pytest.mark.parametrize("kind", ["by layer", "release", "whole tree"])
+@pytest.mark.parametrize("kind", ["by layer", "release", "release read ahead", "whole tree"])
 def test_the_update_moves_one_layer_of_state_at_a_time(kind):
   """In the traced step (avals carry their memory space), host values are only sliced
-  and moved, never computed on; each state leaf goes to the device and back once; the
-  stacked leaves one layer at a time (the whole-tree update moves whole stacks: the
-  contrast). The same step lowered for CUDA carries the moves as XLA's
-  annotate_device_placement calls, one layer's shape each."""
+  and moved, never computed on; each state leaf goes to the device and back once (read
+  ahead, release reads its stacked leaves once more); the stacked leaves one layer at a
+  time (the whole-tree update moves whole stacks: the contrast). The same step lowered
+  for CUDA carries the moves as XLA's annotate_device_placement calls, one layer's shape
+  each."""
   tx, model = tx_and_model()
   plan = make(model, tx, 3, offload=True)
   step = make_step(kind, plan, model, tx)
@@ -143,15 +146,20 @@ def test_the_update_moves_one_layer_of_state_at_a_time(kind):
   assert prims <= MOVE_ONLY, prims - MOVE_ONLY
   device, host = jax.memory.Space.Device, HOST
   to_device = sorted(s for a, b, s in moves if (a, b) == (host, device))
-  assert to_device == sorted(s for a, b, s in moves if (a, b) == (device, host))
+  to_host = sorted(s for a, b, s in moves if (a, b) == (device, host))
   # Shapes as the update sees them: global under GSPMD, one device's shard in release.
-  local = lambda x, d: zero.local_shape(x.shape, d, plan.num_shards if kind == "release" else 1)
+  per_device = kind.startswith("release")
+  local = lambda x, d: zero.local_shape(x.shape, d, plan.num_shards if per_device else 1)
   shapes = jax.tree.map(local, plan.params, plan.param_dims, is_leaf=lambda d: d is None)
   shapes = jax.tree.leaves(shapes, is_leaf=lambda s: isinstance(s, tuple))
   layered = jax.tree.leaves(plan.per_layer)
   by_layer = kind != "whole tree"
   want = sorted(3 * [s[1:] if m and by_layer else s for s, m in zip(shapes, layered)])
-  assert to_device == want  # mu, nu and the Kahan buffer of every leaf, moved once.
+  assert to_host == want  # mu, nu and the Kahan buffer of every leaf, moved once.
+  if kind == "release read ahead":  # The last layer's state before the backward loop,
+    # then the next one's a trip (`streaming.read_ahead`).
+    want = sorted(want + 3 * [s[1:] for s, m in zip(shapes, layered) if m])
+  assert to_device == want
   if kind == "by layer":
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     placed = re.findall(r'annotate_device_placement\(%\w+\) .*?_xla_buffer_placement = '

@@ -53,7 +53,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import optim, precision, sequence, stage3, step as step_lib, streaming, updates, zero
+from zerojax import (
+  gpu as zerojax_gpu,
+  optim,
+  precision,
+  sequence,
+  stage3,
+  step as step_lib,
+  streaming,
+  updates,
+  zero,
+)
 
 PyTree = Any
 
@@ -150,7 +160,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       learning_rate: optax.ScalarOrSchedule | None = None,
                       reduce_dtype: Any = jnp.float32,
                       loss_scaling: precision.LossScaling = precision.NO_SCALING,
-                      donate: bool = True) -> Callable[[step_lib.TrainState, PyTree],
+                      donate: bool = True,
+                      read_ahead: bool | None = None) -> Callable[[step_lib.TrainState, PyTree],
                                                        tuple[step_lib.TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` with gradient release.
 
@@ -174,6 +185,10 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
     reduce_dtype: dtype of every cross-device gradient reduction.
     donate: donate the input state's buffers to the output.
+    read_ahead: with offloaded optimizer state, fetch layer i-1's state during layer i's
+      backward pass (`streaming.read_ahead`: one more layer of it on the device, the
+      copy in flight under the layer's compute). None: where host memory is not the
+      device's own (a GPU; not XLA:CPU, traced for a GPU target or not).
 
   Returns:
     A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
@@ -207,6 +222,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
   # Offloaded optimizer state: layer i's slice comes to the device for its update.
   apply = streaming.streamed(functools.partial(updates.apply, tx), plan)
+  arrived = streaming.streamed(functools.partial(updates.apply, tx), plan, arrived=True)
   total = lambda x: jax.lax.psum(x, plan.shard_axes)
   clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
 
@@ -259,8 +275,19 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
 
+    # Offloaded state: layer i-1's comes in during trip i, carried (`read_ahead`). Not
+    # on XLA:CPU unless asked: its host and device are one RAM (the moves lower to
+    # nothing), and there the barrier costs a copy of the state stacks (43 GiB at 70B).
+    ahead_of = plan.offload and (read_ahead if read_ahead is not None else
+                                 zerojax_gpu.backend() != "cpu")
+    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
+
     def body(i, saved, carry):
-      ct, p, s, skipped, grad_sq, update_sq = carry
+      ct, p, s, skipped, grad_sq, update_sq, state = carry
+      if ahead_of:
+        ahead, s = streaming.read_ahead(s, lambda s: state_at(s, jnp.maximum(i - 1, 0)))
+      else:
+        state = ahead = views.state(s, i)
       layer_p = views.params(p, i)
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
@@ -269,17 +296,19 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
-      new_p, new_s, update_squares = apply(
-          {**layer_p, stack: g}, views.state(s, i), layer_p, finite=finite,
+      new_p, new_s, update_squares = (arrived if ahead_of else apply)(
+          {**layer_p, stack: g}, state, layer_p, finite=finite,
           scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
           **phase, **clip_to)
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
               skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
-              update_sq + jnp.where(finite, update_squares, 0.0))
+              update_sq + jnp.where(finite, update_squares, 0.0), ahead)
 
     zero_sq = jnp.zeros((), jnp.float32)
-    ct, p, s, skipped, grad_sq, update_sq = streaming.backward_layers(body, (
-        ct, rows, views.state_rows(opt_state), jnp.zeros((), jnp.int32), zero_sq, zero_sq),
+    s = views.state_rows(opt_state)
+    first = state_at(s, depth - 1) if ahead_of else views.state(s, depth - 1)
+    ct, p, s, skipped, grad_sq, update_sq, _ = streaming.backward_layers(body, (
+        ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first),
         inputs, depth, parts.offload)
     p, s = views.from_rows(p), views.state_from_rows(s)
 

@@ -10,17 +10,18 @@ One mechanism for every per-layer stream between host and device:
   memory, written one layer at a time by the forward pass's scan (`outbound`) and read
   back one layer at a time (`fetch`); `backward_layers` is the loop over the layers in
   reverse that reads a read-only stack one layer ahead, so layer i-1's copy is in
-  flight while layer i computes.
+  flight while layer i computes; `read_ahead` does the same for a stack the loop also
+  writes.
 - `optimizer`: `streamed`, an optimizer update with its offloaded state brought to the
   device before it and sent back after.
 
 Its users: the optimizer-state offload (`optimizer.offload='host'`: the update by layer
 and gradient release's per-layer update bring one layer's moments over and send them
-back, `streamed` around `updates.LayerViews`' slices: read and written in the same
-loop, so not read ahead, see `layers`), and the
-activation offload (`model.activation_offload='host'`: the layer inputs and what a remat
-policy saves go to host memory as each layer's forward pass ends, `stage3.scan_layers`
-and release's layer loop, and come back one layer ahead in the backward pass).
+back, `streamed` around `updates.LayerViews`' slices; release reads them one layer ahead
+on a GPU, `read_ahead`), and the activation offload (`model.activation_offload='host'`:
+the layer inputs and what a remat policy saves go to host memory as each layer's forward
+pass ends, `stage3.scan_layers` and release's layer loop, and come back one layer ahead
+in the backward pass).
 
 Every computation runs on device values; a host value is only sliced, written and
 moved. XLA:GPU and TPU turn the moves into DMA copies (`jax.device_put` to a memory
@@ -30,7 +31,7 @@ same RAM and lowers the moves to nothing, so on CPU a streamed step computes exa
 what the step without streaming computes.
 """
 
-from zerojax.streaming.layers import backward_layers, fetch, outbound
+from zerojax.streaming.layers import backward_layers, fetch, outbound, read_ahead
 from zerojax.streaming.memory import (
     has_host_memory,
     host_parameter_bytes,
@@ -42,4 +43,5 @@ from zerojax.streaming.memory import (
 from zerojax.streaming.optimizer import streamed
 
 __all__ = ["backward_layers", "fetch", "has_host_memory", "host_parameter_bytes",
-           "memory_kinds", "on_device", "outbound", "streamed", "to_device", "to_host"]
+           "memory_kinds", "on_device", "outbound", "read_ahead", "streamed", "to_device",
+           "to_host"]

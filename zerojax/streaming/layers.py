@@ -12,9 +12,14 @@ the device) and carries it, so the copy depends on nothing layer i computes and 
 scheduler can keep it in flight while layer i's backward pass runs. The cost is one more
 layer's values on the device (the one in use, the one arriving).
 
-Only read-only stacks are read ahead: a stack the loop also writes (the optimizer state)
-would have its read of layer i-1 and its write of layer i unordered, and XLA copies a
-buffer whose in-place write it cannot order after every read of it (the whole stack).
+A stack the loop also writes (the optimizer state, updated layer by layer in gradient
+release's backward loop) is read ahead with `read_ahead`: its read of layer i-1 and the
+trip's in-place write of layer i touch other slices and depend on nothing of each other,
+and XLA copies a buffer whose in-place write it cannot order after every read of it (the
+whole stack, every trip). An optimization barrier on (the read, the stack) orders them:
+the write takes the stack out of the barrier, so it comes after the read, while the
+read depends only on the stack as the trip got it and can be in flight from the trip's
+start.
 """
 
 from collections.abc import Callable
@@ -75,3 +80,12 @@ def backward_layers(body: Callable[[jax.Array, PyTree, PyTree], PyTree], carry: 
     return body(i, layer, c), ahead
 
   return jax.lax.fori_loop(0, length, trip, (carry, fetch(stack, length - 1, True)))[0]
+
+
+def read_ahead(stack: PyTree, read: Callable[[PyTree], PyTree]) -> tuple[PyTree, PyTree]:
+  """(`read(stack)`, `stack`), the read ordered before any later in-place write of `stack`.
+
+  For a stack a loop both reads ahead and writes (see the module docstring): write into
+  the returned stack, never the one given.
+  """
+  return jax.lax.optimization_barrier((read(stack), stack))

@@ -16,11 +16,12 @@ from zerojax import zero
 from zerojax.streaming.memory import to_device, to_host
 
 
-def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
+def streamed(update: Callable, plan: zero.ZeroPlan, arrived: bool = False) -> Callable:
   """`update(grads, opt_state, params, **kw)` with the offloaded state moved around it.
 
   The state `update` is given (the whole tree, or one layer's slices of it as
-  `updates.LayerViews` cuts them: the same tree structure) comes to the device first;
+  `updates.LayerViews` cuts them: the same tree structure) comes to the device first
+  (unless it `arrived` there already: read ahead by the caller, `layers.read_ahead`);
   the new state goes back to host memory. Without offload, `update` itself.
 
   Returns:
@@ -32,8 +33,8 @@ def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
   mask = plan.opt_offloaded
 
   def run(grads, opt_state, params, **kwargs):
-    new_params, new_state, squares = update(grads, to_device(opt_state, mask), params,
-                                            **kwargs)
+    inbound = opt_state if arrived else to_device(opt_state, mask)
+    new_params, new_state, squares = update(grads, inbound, params, **kwargs)
     return new_params, to_host(new_state, mask), squares
 
   return run
