@@ -119,7 +119,7 @@ def test_all_to_all_bytes_per_layer_are_the_formula(remat, kv_heads):
 def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_exactly(
     tmp_path):
   """train.py (this process: `zerojax.train.main`), one sequence of 8192 tokens a step
-  over the 8 devices: the held-out loss falls, and 2 steps, a stop, 2 more = 4 straight
+  over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls, and 2 steps, a stop, 2 more = 4 straight
   (every step's metrics, and the last checkpoint bit for bit)."""
   from test_train import checkpoint_leaves, step_records  # pylint: disable=import-outside-toplevel
   common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
@@ -127,7 +127,10 @@ def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_e
       "model.d_ff=96", "train.seq_len=8192", "train.global_batch_size=1",
       "model.attention_block=1024", "model.loss_chunk=2048", "train.steps=4",
       "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
-      "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.tensorboard=False"))]
+      "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.tensorboard=False",
+      # The long-context recipe's other two parts: on CPU the moves lower to nothing, so
+      # this runs their loops (the saved inputs read back one ahead, MLP tiles) end to end.
+      "model.activation_offload=host", "model.mlp_chunk=256"))]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   assert zerojax.train.main([*common, f"--workdir={straight}"]) == 0
   assert zerojax.train.main([*common, "--stop_after=2", f"--workdir={resumed}"]) == 75
