@@ -172,7 +172,7 @@ def format_suggestions(e: Estimate, found: list[Suggestion]) -> str:
   if not e.device_memory or e.fits:
     return ""
   if not found:
-    return "no change tried here makes it fit (see zerojax.memory._changes)"
+    return "no change tried here makes it fit (see zerojax.memory.search._changes)"
   lines = ["changes that make it fit, cheapest first:"]
   for i, x in enumerate(found, 1):
     lines.append(f"  {i}. {x.change:60s} -> {fmt_bytes(x.estimate.total):>11s} "
