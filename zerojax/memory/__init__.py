@@ -54,9 +54,16 @@ the peak, attributed to the estimate's components).
 """
 
 from zerojax.memory.compiled import attribute
-from zerojax.memory.search import Suggestion, fewest_devices, suggestions
+from zerojax.memory.search import (
+  Suggestion,
+  fewest_devices,
+  longest_sequence,
+  sequence_unit,
+  suggestions,
+)
 from zerojax.memory.spec import DTYPE_BYTES, Counts, RunSpec, param_counts
 from zerojax.memory.step import DEVICES_PER_NODE, Estimate, estimate
 
 __all__ = ["DEVICES_PER_NODE", "DTYPE_BYTES", "Counts", "Estimate", "RunSpec", "Suggestion",
-           "attribute", "estimate", "fewest_devices", "param_counts", "suggestions"]
+           "attribute", "estimate", "fewest_devices", "longest_sequence", "param_counts",
+           "sequence_unit", "suggestions"]

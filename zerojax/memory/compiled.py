@@ -10,7 +10,8 @@ from zerojax.memory.spec import RunSpec, _leaves, _local_shape
 
 def attribute(s: RunSpec, buffers: list[tuple[int, str, str]]) -> dict:
   """Compiled temporaries at the peak, by estimate component, from their shapes."""
-  V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.seq_len, s.batch
+  # A device's positions: its slice of each sequence with sequence parallelism.
+  V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.positions, s.batch
   local = functools.partial(_local_shape, s)
   leaves = _leaves(s)
   stacks = {x for x, layered, _ in leaves if layered} | {local(x, True) for x, l, _ in leaves if l}

@@ -1,10 +1,13 @@
 """What to change when a step does not fit: `suggestions` re-estimates modified setups
 (one code path, `estimate`) and ranks those that fit; `fewest_devices`."""
 
+import copy
 import dataclasses
+import math
 
 from zerojax.memory.spec import RunSpec, _as_setup
 from zerojax.memory.step import Estimate, estimate
+from zerojax.models.attention import attention_kernel
 
 _REMAT_ORDER = ("none", "dots", "full")  # Increasing recomputation (and a by-name policy
 # is followed by 'full').
@@ -70,13 +73,24 @@ def fewest_devices(config, devices: int | None = None, device_memory: int = 0,
   batch and `mesh.data` (the ZeRO shards grow); None if none up to `limit` does."""
   s = _as_setup(config, devices)
   top = 1 << (limit // s.data).bit_length() - 1  # The most divisible count: if even it
+  sizes = [k for k in range(1, top + 1) if _splits(s, k)]
+  if s.sequence_parallel:  # The most divisible count the sequence splits over.
+    top = max(sizes)
   if not estimate(dataclasses.replace(s, fsdp=top), device_memory=device_memory).fits:
     return None  # does not fit, none does (indivisible leaves stay whole).
-  for fsdp in range(1, top + 1):
+  for fsdp in sizes:
     e = estimate(dataclasses.replace(s, fsdp=fsdp), device_memory=device_memory)
     if e.fits:
       return e
   return None
+
+
+def _splits(s: RunSpec, fsdp: int) -> bool:
+  """Whether sequence parallelism can split over `fsdp` devices (`validate`'s rule): the
+  query heads, the sequence and the KV heads (or fsdp by them) divide; always without it."""
+  K = s.n_kv_heads
+  return not s.sequence_parallel or (s.n_heads % fsdp == 0 and s.seq_len % fsdp == 0
+                                     and (K % fsdp == 0 or fsdp % K == 0))
 
 
 def suggestions(config, devices: int | None = None,
@@ -113,9 +127,59 @@ def suggestions(config, devices: int | None = None,
   for base, more, text in tries:
     e = fewest_devices(base, device_memory=device_memory)
     if e is not None:
-      batch = e.setup.batch * e.setup.devices * e.setup.microbatches
+      batch = e.setup.batch * e.setup.example_shards * e.setup.microbatches
       out.append(Suggestion(f"{e.setup.devices} devices of this size (same per-device batch)"
                             + text, more + (f"train.global_batch_size={batch}",), e))
       break
   return out
 
+
+
+# ---------------------------------------------------------------- longest sequence
+
+
+def sequence_unit(s: RunSpec) -> int:
+  """The step between the sequence lengths `longest_sequence` tries: divisible by the
+  devices a sequence is split over, and padding no attention block (blocked kernel), loss
+  chunk or MLP chunk (the chunks run on a device's positions)."""
+  f = s.fsdp if s.sequence_parallel else 1
+  block = s.attention_block if attention_kernel(s.attention, s.compute_dtype) == "blocked" else 1
+  return math.lcm(f, block, f * s.loss_chunk, f * (s.mlp_chunk or 1))
+
+
+def longest_sequence(config, devices: int | None = None, device_memory: int = 0,
+                     limit: int = 1 << 26) -> Estimate | None:
+  """The estimate at the longest `train.seq_len` (a multiple of `sequence_unit`, at most
+  `limit`) whose step fits in `device_memory`, at the same batch; None if even one unit
+  does not. Given a config (not a `RunSpec`), the length is one it validates with."""
+  s = _as_setup(config, devices)
+  unit = sequence_unit(s)
+  at = lambda k: estimate(dataclasses.replace(s, seq_len=k * unit), device_memory=device_memory)
+  if not device_memory or not at(1).fits:
+    return None
+  lo, hi = 1, 2  # Every term grows with the length: double, then bisect (lo fits, hi not).
+  while hi * unit <= limit and at(hi).fits:
+    lo, hi = hi, hi * 2
+  hi = min(hi, limit // unit + 1)
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if at(mid).fits else (lo, mid)
+  if isinstance(config, RunSpec):
+    return at(lo)
+  for k in range(lo, 0, -1):  # Rules the planner does not model (a newer key's).
+    if _valid(config, devices, k * unit):
+      return at(k)
+  return None
+
+
+def _valid(config, devices: int | None, seq_len: int) -> bool:
+  # pylint: disable=import-outside-toplevel
+  from zerojax.config import ConfigError
+  from zerojax.validate import validate
+  candidate = copy.deepcopy(config)
+  candidate.train.seq_len = seq_len
+  try:
+    validate(candidate, num_devices=devices, check_fixes=False)
+  except ConfigError:
+    return False
+  return True

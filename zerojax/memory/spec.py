@@ -40,13 +40,19 @@ class RunSpec:
   min_shard_size: int
   data: int
   fsdp: int
-  batch: int  # Sequences per device per microbatch.
+  batch: int  # Sequences (whole, or their slices with sequence parallelism) per device per
+  # microbatch.
   microbatches: int
   seq_len: int
   release: bool  # Gradient release (`zerojax.release`): stage 3, one microbatch.
   # The model's own (shape, logical axes) of every parameter leaf (`param_shapes()`).
   param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
   offload: bool = False  # The optimizer state in host memory (optimizer.offload='host').
+  # Each sequence split by position over the 'fsdp' devices (mesh.sequence_parallel).
+  sequence_parallel: bool = False
+  mlp_chunk: int = 0  # Positions the MLP runs at a time (model.mlp_chunk; 0: all).
+  # The saved residuals in host memory (model.activation_offload='host').
+  activation_offload: bool = False
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -55,6 +61,7 @@ class RunSpec:
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
     data, fsdp = resolve_mesh_shape(config, devices)
     shapes = models.from_config(config).param_shapes().values()
+    sp = bool(config.mesh.sequence_parallel)  # The examples are split over 'data' only.
     return cls(
         model=m.name, vocab_size=m.vocab_size, d_model=m.d_model, d_ff=m.d_ff,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, context=m.context,
@@ -64,14 +71,27 @@ class RunSpec:
         accum_dtype=p.accum_dtype, optimizer=o.name, state_dtype=o.state_dtype,
         update_rule=o.update_rule, momentum=o.momentum, stage=config.zero.stage,
         min_shard_size=config.zero.min_shard_size, data=data, fsdp=fsdp,
-        batch=max(t.global_batch_size // (data * fsdp * t.microbatches), 1),
+        batch=max(t.global_batch_size // (data * (1 if sp else fsdp) * t.microbatches), 1),
         microbatches=t.microbatches, seq_len=t.seq_len, release=o.release,
         param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes),
-        offload=o.offload == "host")
+        offload=o.offload == "host", sequence_parallel=sp,
+        # Keys newer than some configs: read with their defaults.
+        mlp_chunk=int(m.get("mlp_chunk", 0)),
+        activation_offload=m.get("activation_offload", "none") == "host")
 
   @property
   def devices(self) -> int:
     return self.data * self.fsdp
+
+  @property
+  def example_shards(self) -> int:
+    """Devices the examples are split over: all, or 'data' with sequence parallelism."""
+    return self.data if self.sequence_parallel else self.devices
+
+  @property
+  def positions(self) -> int:
+    """Positions of each sequence a device holds outside attention."""
+    return self.seq_len // self.fsdp if self.sequence_parallel else self.seq_len
 
   @property
   def behaviour(self) -> StageBehaviour:

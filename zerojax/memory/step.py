@@ -4,7 +4,7 @@ and `Estimate`, its per-device components and the phases they peak in."""
 import dataclasses
 
 from zerojax import gpu as zerojax_gpu
-from zerojax.memory.activations import activations
+from zerojax.memory.activations import activations, all_to_all_bytes
 from zerojax.memory.spec import DTYPE_BYTES, RunSpec, _as_setup, param_counts
 
 # Devices one node holds, for host memory per node (the common 8-GPU node; a run on
@@ -26,7 +26,10 @@ class Estimate:
     state: per-device bytes of the train state and the batch (the step's arguments)
       in device memory.
     device_memory: bytes per device to fit in (0: not given).
-    host: name -> per-device bytes of the state kept in host memory (offload).
+    host: name -> per-device bytes kept in host memory (optimizer state, saved
+      activations: offload).
+    all_to_all: bytes one device puts into sequence parallelism's all-to-alls per layer
+      and step (0 without it).
   """
   setup: RunSpec
   params: int
@@ -36,6 +39,7 @@ class Estimate:
   state: int
   device_memory: int = 0
   host: dict = dataclasses.field(default_factory=dict)
+  all_to_all: int = 0
 
   @property
   def phases(self) -> dict:
@@ -61,7 +65,7 @@ class Estimate:
 
   @property
   def host_total(self) -> int:
-    """Per-device bytes of host memory the state takes (offload; 0 without)."""
+    """Per-device bytes of host memory the step takes (offload; 0 without)."""
     return sum(self.host.values())
 
   @property
@@ -136,6 +140,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
       s.microbatches > 1 and not s.release) else 0
 
   acts = activations(s, counts, remat)  # One microbatch's.
+  host["saved activations"] = acts.pop("saved activations (host)")
   if behaviour.shards_params:
     # One layer gathered: in fp32 by XLA:CPU; by a GPU in the param dtype, two at the normal
     # step's peak (its pipelined gather), one at release's (XLA's GPU buffer assignment).
@@ -165,4 +170,4 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   comp = {k: int(v) for k, v in comp.items() if v}
   parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
   return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory),
-                  {k: int(v) for k, v in host.items() if v})
+                  {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, remat))
