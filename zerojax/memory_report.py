@@ -4,6 +4,9 @@
     python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
         [--compile] [--json] [--config.a.b=value ...]
     python -m zerojax.memory --config configs/70b_8x80gb.py --target h100:8 --compile
+    python -m zerojax.memory --config configs/8b_bf16.py --target h100:8 --longest-sequence \
+        --config.mesh.sequence_parallel=True --config.mesh.data=1 \
+        --config.train.global_batch_size=1 [--compile]
 
 `--target` names a GPU (`zerojax.gpu.targets`): the verdict is against the memory XLA's
 allocator has on it as train.py runs, and `--compile` compiles with XLA's GPU compiler
@@ -288,7 +291,8 @@ def _main(argv: list[str]) -> int:
   else:
     if longest:
       print(longest[1])
-    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides]),
+    at = [f"at train.seq_len={e.setup.seq_len}"] if longest else []
+    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides, *at]),
                        gpu=bool(spec)))
     if spec:
       print(format_target_verdict(spec, where, device_memory, compiled))

@@ -47,6 +47,18 @@ streamed in (one layer's, or the embedding's and head's, whichever is more; all 
 for an update that is not leafwise). Not checked against a compiler: XLA:CPU has no
 separate host memory space to report (`zerojax.offload`).
 
+With sequence parallelism (`mesh.sequence_parallel`) a device holds T / fsdp positions of
+each of its examples (batch / data of them) for the saved activations, the MLP and the
+loss chunk; attention's working set is the whole sequence for H / fsdp query heads and
+the KV heads the all-to-all gives the device; `Estimate.all_to_all` is the bytes a device
+puts into the all-to-alls per layer and step (`sequence.ulysses.all_to_all_bytes`).
+`model.mlp_chunk` bounds the MLP's [.., d_ff] temporaries to a chunk of positions;
+`model.activation_offload='host'` moves the layers' saved residuals to the host's bytes,
+two layers of them left on the device. `longest_sequence(config, devices, memory)` is the
+longest `train.seq_len` (a multiple of `sequence_unit`) that fits. Calibrated against
+XLA:CPU and XLA's GPU compiler on the 8B and 70B configs and the tiny Llama (WORKSPACE,
+"Long context (issue 24)").
+
 Modules: `spec` (what is read of a config: `RunSpec`, parameter counts), `activations`
 (saved activations, a layer's working set, the loss chunk), `step` (`estimate`,
 `Estimate`), `search` (`suggestions`, `fewest_devices`), `compiled` (XLA's buffers at
