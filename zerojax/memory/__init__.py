@@ -20,9 +20,9 @@ per-device bytes of every component of a train step, in two views.
 
 The temporaries are calibrated against XLA:CPU with `devices.CPU_MEMORY_FLAGS` (the only
 compiler this project can check; `--compile` shows it beside the estimate): the total
-within 2% for the 8B and 70B configs, 4-7% low for the 1B (its stage-2 layer working
-set is overestimated), 3% low for the tiny one (one exception: the tiny config with
-remat 'full', 0.79, whose small layers XLA keeps whole). What is XLA:CPU's own:
+within 2% for the 8B and 70B configs (also at 32768 tokens a device), 2-4% low for the
+1B, 5% high for the tiny one (exceptions: the tiny config with remat 'full', 0.88,
+whose small layers XLA keeps whole; with 2 microbatches, 1.20). What is XLA:CPU's own:
 collectives run in fp32, so a gathered layer costs 4 B/param (a GPU gathers bf16);
 at stages 0-2 it keeps a copy of the embedding. At stages 0-2 the scan's layer
 gradients come out stacked in the param dtype and are upcast and reduced after the

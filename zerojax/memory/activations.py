@@ -42,9 +42,10 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   S = T if kernel == "dot_product" and not fused else min(s.attention_block, T)
   # The MLP's [.., d_ff] temporaries are for one chunk of positions (model.mlp_chunk).
   rows = b * min(s.mlp_chunk or local, local)
-  if s.sequence_parallel:
-    attention, mlp = _ulysses_layer(s, S, rows, fused)
-  else:
+  if s.model == "llama" and (s.sequence_parallel or zerojax_gpu.backend() != "gpu"):
+    attention, mlp = _layer_backward(s, S, rows, fused)
+  else:  # mlp_lm (rough), and the GPU without sequence parallelism: calibrated at 4096
+    # positions (WORKSPACE, "GPU targets"), its (T / S) n D term over-counts long sequences.
     attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
     mlp = rows * F * (5 * cb + 4) + 5 * n * D * 4
   if s.model == "mlp_lm":
@@ -58,28 +59,32 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
           "saved activations (host)": host}
 
 
-def _ulysses_layer(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, int]:
-  """One layer's backward with sequence parallelism: (its attention part, its MLP part),
-  read off the compilers' buffers at the peak (WORKSPACE, "Long context").
+def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, int]:
+  """One Llama layer's backward: (its attention part, its MLP part), read off the
+  compilers' buffers at the peak (WORKSPACE, "Long context"). With sequence parallelism
+  attention runs on the whole sequence for H / fsdp query heads; without it (fsdp = 1 in
+  what follows) on the device's own sequences for all heads.
 
-  XLA:CPU, blocked attention on the whole sequence for H / fsdp query heads: a query
-  block's scores against all T keys (recomputed in fp32, their fp32 gradient, the
-  probabilities in the compute dtype); q, k, v over the whole sequence in the compute
-  dtype with the fp32 gradients of q and of k, v (summed over blocks); the slice's fp32
-  residual-stream buffers and one MLP chunk's [.., d_ff]. The MLP's backward (before
-  attention's) holds its [.., d_ff] values (one fp32, six in the compute dtype), the
-  slice's [.., d_model] (five fp32, three in the compute dtype) and the recomputed
-  attention's whole-sequence q and output.
+  XLA:CPU, blocked attention: a query block's scores against all T keys (recomputed in
+  fp32, their fp32 gradient, the probabilities in the compute dtype); q, k, v over the
+  whole sequence in the compute dtype with the fp32 gradients of q and of k, v (summed
+  over blocks); the slice's fp32 residual-stream buffers and one MLP chunk's [.., d_ff].
+  The MLP's backward (before attention's) holds its [.., d_ff] values (one fp32, six in
+  the compute dtype), the slice's [.., d_model] (five fp32, three in the compute dtype)
+  and the recomputed attention's whole-sequence q and output.
 
-  XLA's GPU compiler keeps everything in the compute dtype: the MLP's backward holds four
-  [.., d_ff] and ten [.., d_model] values of the slice (the whole-sequence q and output
-  among them: T x H / fsdp heads is the slice's width), its k and v, and the fp32 RoPE
-  tables. cuDNN's attention materializes no scores: q, k, v, the output and their
-  gradients over the whole sequence, six [.., d_model] of the slice (never the peak in
-  the compiles measured: the MLP's backward was, down to d_ff = d_model / 2).
+  XLA's GPU compiler (sequence parallelism) keeps everything in the compute dtype: the
+  MLP's backward holds four [.., d_ff] and ten [.., d_model] values of the slice (the
+  whole-sequence q and output among them: T x H / fsdp heads is the slice's width), its
+  k and v, and the fp32 RoPE tables. cuDNN's attention materializes no scores: q, k, v,
+  the output and their gradients over the whole sequence, six [.., d_model] of the slice
+  (never the peak in the compiles measured: the MLP's backward was, down to d_ff =
+  d_model / 2).
   """
   cb, T, b, D, F = DTYPE_BYTES[s.compute_dtype], s.seq_len, s.batch, s.d_model, s.d_ff
-  heads, kv, Dh = s.n_heads // s.fsdp, kv_width(s), s.d_model // s.n_heads
+  Dh = s.d_model // s.n_heads
+  heads, kv = ((s.n_heads // s.fsdp, kv_width(s)) if s.sequence_parallel
+               else (s.n_heads, s.n_kv_heads * Dh))
   q, n = heads * Dh, b * s.positions
   if zerojax_gpu.backend() == "gpu":
     mlp = (rows * F * 4 + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
