@@ -134,7 +134,6 @@ def suggestions(config, devices: int | None = None,
   return out
 
 
-
 # ---------------------------------------------------------------- longest sequence
 
 
