@@ -103,7 +103,8 @@ def test_hf_folder_to_chat_sft_to_export_to_generate(tmp_path, capsys):
 
   transformers = pytest.importorskip("transformers", reason="the transformers check: "
                                      "pip install transformers torch (CPU)")
-  import torch  # pylint: disable=import-outside-toplevel
+  torch = pytest.importorskip("torch", reason="the transformers check: a CPU torch (pip "
+                              "install torch --index-url https://download.pytorch.org/whl/cpu)")
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
   tokens = np.asarray([from_run[0][0] + from_run[0][1]], np.int32)
   with torch.no_grad():

@@ -124,6 +124,33 @@ def test_train_dry_run_compiles_for_a_target(capsys):
   assert stop.value.code == 2
 
 
+def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
+  """configs/70b_256k_8x80gb.py through train.py's dry run for 8 x H100: one 262,144-token
+  sequence over the 8 devices (sequence parallelism), the layer inputs in host memory:
+  at most 70 GiB a device, and the host temporaries are the 80 layers' inputs, [32768,
+  8192] bf16 each, as reported."""
+  path = os.path.join(ROOT, "configs", "70b_256k_8x80gb.py")
+  # The default corpus's held-out split must hold one 262,145-token row.
+  assert train.main(["--config", path, "--dry_run", "--target", "h100:8",
+                     "--config.data.eval_fraction=0.2"]) == 0
+  text = capsys.readouterr().out
+  assert "verdict: fits" in text
+  (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
+  assert float(total) <= 70, total
+  assert "saved activations 40.00 GiB in host memory" in text
+
+
+def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
+  """configs/8b_4m_8x80gb.py compiled for 8 x H100: one 4,194,304-token sequence over the
+  8 devices, the layer inputs in host memory (32 x [524288, 4096] bf16), the MLP in tiles
+  of 32,768 positions: at most 70 GiB a device."""
+  config, _, out = compile_config("8b_4m_8x80gb", [], "h100:8")
+  mem = out.memory
+  assert config.train.seq_len == 4_194_304
+  assert mem["arguments"] + mem["temporaries"] <= 70 * GIB, mem
+  assert mem["host_temporaries"] == 32 * 524_288 * 4096 * 2
+
+
 def test_fit_finds_a_recipe_for_8_a100_40gb_and_the_compiler_agrees():
   """The README's 8 x A100 40GB row: the cheapest recipe the planner finds for the 70B,
   checked by XLA's GPU compiler."""

@@ -1,4 +1,4 @@
-"""Optimizer-state offload (`zerojax.offload`) on 8 CPU devices: an offloaded step
+"""Optimizer-state offload (`zerojax.streaming`) on 8 CPU devices: an offloaded step
 computes what the normal step computes, its state lives in the host memory space, the
 update moves one layer's state at a time, and checkpoints round-trip it."""
 
@@ -18,8 +18,8 @@ from zerojax import (
   memory,
   memory_report,
   models,
-  offload as offload_lib,
   optim,
+  streaming,
   units,
   zero,
 )
@@ -188,7 +188,7 @@ def test_the_compiled_step_keeps_the_state_in_host_memory_space():
     stats[offload] = (m.argument_size_in_bytes, m.host_argument_size_in_bytes,
                       m.host_temp_size_in_bytes)
     # What build.compile_step reports as host memory (and takes off the arguments).
-    assert offload_lib.host_parameter_bytes(compiled.as_text()) == sum(
+    assert streaming.host_parameter_bytes(compiled.as_text()) == sum(
         4 * math.prod(int(n) for n in x[4:-1].split(",")) for x in want)
   assert stats[True] == stats[False] and stats[True][1:] == (0, 0)
 

@@ -89,16 +89,19 @@ def build(config, devices=None) -> Built:
 
 
 def check_offload(config, device) -> None:
-  """ConfigError (exit 2) for `optimizer.offload='host'` on a `device` that cannot address
-  pinned host memory (validate.py's checks run before JAX is started; this one needs it)."""
-  from zerojax import offload  # pylint: disable=import-outside-toplevel
+  """ConfigError (exit 2) for an offload to host memory (`optimizer.offload`,
+  `model.activation_offload`) on a `device` that cannot address pinned host memory
+  (validate.py's checks run before JAX is started; this one needs it)."""
+  from zerojax import streaming  # pylint: disable=import-outside-toplevel
   from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
-  if config.optimizer.offload == "host" and not offload.has_host_memory(device):
-    kinds = ", ".join(offload.memory_kinds(device)) or "none"
-    raise ConfigError(
-        f"is 'host', but {device.platform} device {device.id} has no pinned_host memory "
-        f"(its memory kinds: {kinds}).", key="optimizer.offload",
-        fix="use optimizer.offload='none' (the planner's suggestions list other ways to fit)")
+  for key, value in (("optimizer.offload", config.optimizer.offload),
+                     ("model.activation_offload", config.model.get("activation_offload"))):
+    if value == "host" and not streaming.has_host_memory(device):
+      kinds = ", ".join(streaming.memory_kinds(device)) or "none"
+      raise ConfigError(
+          f"is 'host', but {device.platform} device {device.id} has no pinned_host memory "
+          f"(its memory kinds: {kinds}).", key=key,
+          fix=f"use {key}='none' (the planner's suggestions list other ways to fit)")
 
 
 def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
@@ -118,12 +121,13 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
   mem = compiled.memory_analysis()
   arguments, host = mem.argument_size_in_bytes, mem.host_argument_size_in_bytes
   if built.plan.offload and not host:  # XLA:CPU: host parameters counted as arguments.
-    from zerojax import offload  # pylint: disable=import-outside-toplevel
-    host = offload.host_parameter_bytes(compiled.as_text())
+    from zerojax import streaming  # pylint: disable=import-outside-toplevel
+    host = streaming.host_parameter_bytes(compiled.as_text())
     arguments -= host
   return compiled, dict(arguments=arguments, temporaries=mem.temp_size_in_bytes,
                         outputs=mem.output_size_in_bytes, aliased=mem.alias_size_in_bytes,
-                        host_arguments=host, seconds=time.perf_counter() - start)
+                        host_arguments=host, host_temporaries=mem.host_temp_size_in_bytes,
+                        seconds=time.perf_counter() - start)
 
 
 def compiled_memory(built: Built, dump_to: str | None = None) -> dict:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload
+from zerojax import streaming
 
 _K = 2654435761  # Odd: the weights `index * _K + 1` of any two positions differ.
 
@@ -67,7 +67,7 @@ def _leaf_checksum(x: jax.Array, sharding: Any = None) -> jax.Array:
   With a `NamedSharding` that divides `x` evenly, each device sums its own block (one
   device per replica group counts it) and the blocks' sums are added up.
   """
-  x = offload.on_device(x)  # Host memory is moved, never computed on.
+  x = streaming.on_device(x)  # Host memory is moved, never computed on.
   shape = x.shape or (1,)
   if not isinstance(sharding, jax.sharding.NamedSharding) or not x.shape:
     return _block_checksum(x.reshape(shape), shape, [0] * len(shape))

@@ -395,16 +395,24 @@ def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
               "judged instead)")]
   if compiled:
     total = compiled["arguments"] + compiled["temporaries"]
-    host = compiled["host_arguments"]
+    host = compiled["host_arguments"] + compiled.get("host_temporaries", 0)
     lines.append(
         f"XLA's GPU compiler ({compiled['seconds']:.1f} s; buffer assignment, nothing "
         f"allocated): {fmt_bytes(total)} per device"
-        + (f" + {fmt_bytes(host)} of state in host memory "
-           f"({fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)" if host else "")
+        + (f" + {fmt_bytes(host)} in host memory ({host_parts(compiled)}; "
+           f"{fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)" if host else "")
         + f"; verdict: {'fits' if total <= device_memory else 'does NOT fit'} "
         f"({'headroom' if total <= device_memory else 'short by'} "
         f"{fmt_bytes(abs(device_memory - total))})")
   return "\n".join(lines)
+
+
+def host_parts(compiled: dict) -> str:
+  """What a compiled step keeps in host memory: offloaded state (its host arguments) and
+  saved activations (its host temporaries, the activation offload's stacks)."""
+  parts = [(compiled["host_arguments"], "state"),
+           (compiled.get("host_temporaries", 0), "saved activations")]
+  return " + ".join(f"{what} {fmt_bytes(n)}" for n, what in parts if n)
 
 
 def device_memory(device) -> int:

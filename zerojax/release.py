@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload, optim, precision, sequence, stage3, step as step_lib, updates, zero
+from zerojax import optim, precision, sequence, stage3, step as step_lib, streaming, updates, zero
 
 PyTree = Any
 
@@ -74,11 +74,14 @@ class LayeredLoss(NamedTuple):
     head_loss: `(rest, carry, batch) -> loss`, a scalar: the mean over the examples.
     stack: the top-level key of the params dict that holds the layer stack (every
       leaf below it has a leading layers axis; no other leaf has one).
+    offload: keep the layer inputs the backward pass needs in pinned host memory
+      between the passes (activation offload, `zerojax.streaming`).
   """
   embed: Callable[[PyTree, PyTree], PyTree]
   layer: Callable[[PyTree, PyTree], PyTree]
   head_loss: Callable[[PyTree, PyTree, PyTree], jax.Array]
   stack: str
+  offload: bool = False
 
 
 ACCUMULATION = ("none", "optimizer")
@@ -203,7 +206,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
   # Offloaded optimizer state: layer i's slice comes to the device for its update.
-  apply = offload.streamed(functools.partial(updates.apply, tx), plan)
+  apply = streaming.streamed(functools.partial(updates.apply, tx), plan)
   total = lambda x: jax.lax.psum(x, plan.shard_axes)
   clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
 
@@ -250,18 +253,16 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     rows = views.rows(params)
     x, inputs = jax.lax.scan(
         lambda x, i: (parts.layer(gathered(views.params(rows, i)[stack]), x, batch),
-                      jax.tree.map(stage3.to_bits, x)), x, jnp.arange(depth))
+                      streaming.outbound(jax.tree.map(stage3.to_bits, x), parts.offload)),
+        x, jnp.arange(depth))
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
 
-    def body(k, carry):
+    def body(i, saved, carry):
       ct, p, s, skipped, grad_sq, update_sq = carry
-      i = depth - 1 - k
       layer_p = views.params(p, i)
-      x = jax.tree.map(stage3.from_bits,
-                       jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
-                           a, i, keepdims=False), inputs), ct)
+      x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
       g, ct = vjp(ct)
@@ -277,8 +278,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
               update_sq + jnp.where(finite, update_squares, 0.0))
 
     zero_sq = jnp.zeros((), jnp.float32)
-    ct, p, s, skipped, grad_sq, update_sq = jax.lax.fori_loop(0, depth, body, (
-        ct, rows, views.state_rows(opt_state), jnp.zeros((), jnp.int32), zero_sq, zero_sq))
+    ct, p, s, skipped, grad_sq, update_sq = streaming.backward_layers(body, (
+        ct, rows, views.state_rows(opt_state), jnp.zeros((), jnp.int32), zero_sq, zero_sq),
+        inputs, depth, parts.offload)
     p, s = views.from_rows(p), views.state_from_rows(s)
 
     (d_embed,) = embed_vjp(ct)

@@ -199,6 +199,11 @@ _ROWS = (
           range=POSITIVE),
     Field("model.loss_chunk", 1024, "llama: sequence positions per loss chunk (fp32 logits).",
           range=POSITIVE),
+    Field("model.activation_offload", "none", "llama: 'host' = what remat saves per layer "
+          "(the layer inputs) lives in pinned host memory between the passes, back one layer "
+          "ahead in the backward pass (zerojax/streaming/).", choices=("none", "host")),
+    Field("model.mlp_chunk", 0, "llama: sequence positions per MLP tile (temporaries of "
+          "[chunk, d_ff], not [seq_len, d_ff]); 0 = untiled.", range=NON_NEGATIVE),
     Field("model.context", 8, "mlp_lm: previous tokens each position mixes in.", range=AT_LEAST_1),
     Field("model.remat", "full", "Backward-pass recompute per layer: none, full (keep layer "
           "inputs), dots (keep matmul outputs); llama also by name (zerojax/models/remat.py): "

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax import streaming
+
 PyTree = Any
 
 
@@ -100,7 +102,8 @@ def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> ja
   return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
 
 
-def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any, policy: Any = None) -> PyTree:
+def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any, policy: Any = None,
+                offload: bool = False) -> PyTree:
   """`carry = fn(gather(params[i]), carry, *args)` for each layer i, rematerialized.
 
   The layer loop of a stage-3 model under remat (each layer's input and what `policy`
@@ -120,12 +123,15 @@ def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any, policy: Any 
     *args: other inputs every layer sees (e.g. rotary tables), differentiable.
     policy: a `jax.checkpoint` policy, what each layer saves besides its input (e.g.
       `zerojax.models.remat.policy(name)`); None saves nothing else (full remat).
+    offload: keep what each layer saves in pinned host memory between the passes
+      (activation offload, `zerojax.streaming`): moved there as the layer's forward pass
+      ends, back one layer ahead in the backward pass.
 
   Returns:
     The last layer's output carry.
   """
-  return _scan_layers(fn, policy or jax.checkpoint_policies.nothing_saveable, params, carry,
-                      args)
+  return _scan_layers(fn, policy or jax.checkpoint_policies.nothing_saveable, offload,
+                      params, carry, args)
 
 
 def _layer_residuals(fn, policy, p, c, args):
@@ -163,50 +169,50 @@ def from_bits(bits, like):
   return bits if bits.dtype == like.dtype else jax.lax.bitcast_convert_type(bits, like.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _scan_layers(fn, policy, params, carry, args):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _scan_layers(fn, policy, offload, params, carry, args):
+  del offload
   return jax.lax.scan(lambda c, p: (fn(gather(p), c, *args), None), carry, params)[0]
 
 
-def _scan_layers_fwd(fn, policy, params, carry, args):
+def _scan_layers_fwd(fn, policy, offload, params, carry, args):
   def body(c, p):
     out, leaves, _, saved = _layer_residuals(fn, policy, p, c, args)
-    return out, [to_bits(leaves[k]) for k in saved]
+    return out, streaming.outbound([to_bits(leaves[k]) for k in saved], offload)
 
   out, stacked = jax.lax.scan(body, carry, params)
   return out, (params, stacked, args)
 
 
-def _scan_layers_bwd(fn, policy, residuals, ct):
+def _scan_layers_bwd(fn, policy, offload, residuals, ct):
   params, stacked, args = residuals
   layers = jax.tree.leaves(params)[0].shape[0]
   put = lambda tree, new, i: jax.tree.map(
       lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), i, 0), tree, new)
 
-  def body(k, state):
+  def body(i, layer_saved, state):
     ct, grads, pending, ct_args = state
-    i = layers - 1 - k
     # The gradient of layer i + 1 (the previous iteration's) is written first and layer
     # i's params are read from the result: the read depends on the write, so XLA
     # updates the buffer in place. Written after the read, some gradients would not
     # depend on it (a down projection's does not use its own weights), and XLA, unable
-    # to order the two, would copy the whole stack every layer. At k = 0 the index is
-    # clamped to the last layer, whose params `pending` holds unchanged.
+    # to order the two, would copy the whole stack every layer. On the first trip the
+    # index is clamped to the last layer, whose params `pending` holds unchanged.
     grads = put(grads, pending, jnp.minimum(i + 1, layers - 1))
     p = _layer(grads, i)
     # The layer's vjp, its saved residuals put back in: tracing it again gives the
     # residuals' structure; its forward is dead code (XLA removes it).
     _, leaves, tree, saved = _layer_residuals(fn, policy, p, jax.tree.map(jnp.zeros_like, ct),
                                               args)
-    for k_saved, bits in zip(saved, _layer(stacked, i), strict=True):
+    for k_saved, bits in zip(saved, layer_saved, strict=True):
       leaves[k_saved] = from_bits(bits, leaves[k_saved])
     pending, ct, d_args = jax.tree.unflatten(tree, leaves)(ct)
     ct_args = jax.tree.map(lambda a, d: a + d.astype(a.dtype), ct_args, _floats(d_args))
     return ct, grads, pending, ct_args
 
   zeros = jax.tree.map(jnp.zeros_like, _floats(args))
-  ct, grads, pending, ct_args = jax.lax.fori_loop(
-      0, layers, body, (ct, params, _layer(params, layers - 1), zeros))
+  ct, grads, pending, ct_args = streaming.backward_layers(
+      body, (ct, params, _layer(params, layers - 1), zeros), stacked, layers, offload)
   return put(grads, pending, 0), ct, ct_args
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import offload, precision, sequence, stage3, updates, zero
+from zerojax import precision, sequence, stage3, streaming, updates, zero
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -330,7 +330,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     # The update runs where each device holds only its shard of the optimizer state.
     on_shards = lambda tree: jax.lax.with_sharding_constraint(tree, update_shardings)
     # Offloaded state comes to the device for the update (layer by layer if by_layer).
-    update = offload.streamed(functools.partial(updates.apply, tx, finite=finite,
+    update = streaming.streamed(functools.partial(updates.apply, tx, finite=finite,
                                                 scale=mean_scale, factor=factor), plan)
     if by_layer:
       new_params, opt_state, update_sq = updates.update_by_layer(

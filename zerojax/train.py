@@ -213,8 +213,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          f"tokens {_tokens(train_tokens) / 1e6:.1f}M+{_tokens(eval_tokens) / 1e6:.2f}M\n"
          f"per-device memory (compiled): arguments {units.fmt_bytes(mem['arguments'])} + "
          f"temporaries {units.fmt_bytes(mem['temporaries'])} = {units.fmt_bytes(total)}"
-         + (f", + {units.fmt_bytes(mem['host_arguments'])} of optimizer state in host memory"
-            if mem["host_arguments"] else "") + "  "
+         + (f", + {memory_report.host_parts(mem)} in host memory"
+            if mem["host_arguments"] or mem.get("host_temporaries") else "") + "  "
          f"(compile {time.perf_counter() - start:.1f}s)",
          devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape),
          stage=c.zero.stage, params=n_params, memory=mem)
@@ -236,7 +236,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
       spec and memory_report.format_target_verdict(spec, where, where[0], dict(
           mem, seconds=time.perf_counter() - start)),
       memory_report.format_suggestions(estimate, found)])), memory_estimate=estimate.total)
-  total += mem["host_arguments"]  # CPU devices' memory and host memory are one.
+  # CPU devices' memory and host memory are one.
+  total += mem["host_arguments"] + mem.get("host_temporaries", 0)
   if host and total * jax.local_device_count() > host:
     raise ConfigError(
         f"the step needs {units.fmt_bytes(total * jax.local_device_count())} of host memory "

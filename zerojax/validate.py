@@ -69,7 +69,8 @@ _MODEL_ONLY = {
     "mlp_lm": ("context",),
     "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
-              "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk"),
+              "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk",
+              "activation_offload", "mlp_chunk"),
 }
 
 
@@ -272,6 +273,26 @@ def _check_sequence(config: ml_collections.ConfigDict, fsdp: int | None, source:
                         fix=f"use mesh.fsdp dividing {n}, or mesh.sequence_parallel=False")
 
 
+def _check_mlp_chunk(config: ml_collections.ConfigDict, fsdp: int | None,
+                     source: Source) -> None:
+  """A tile count that is not whole pads every layer's MLP input with positions computed
+  for nothing (`zerojax.models.tiled`): the tile must divide each device's sequence."""
+  chunk, seq_len, sp = config.model.mlp_chunk, config.train.seq_len, config.mesh.sequence_parallel
+  if not chunk or (sp and fsdp is None):
+    return  # Sequence parallel: checked again once the device count is known.
+  local = seq_len // fsdp if sp else seq_len
+  if local % chunk:
+    what = (f"train.seq_len / mesh.fsdp = {seq_len} / {fsdp} with mesh.sequence_parallel"
+            if sp else "train.seq_len")
+    divisors = [d for d in range(min(chunk, local), 0, -1) if local % d == 0]
+    raise ConfigError(f"{chunk} does not divide {local}, the positions each device's MLP "
+                      f"sees ({what}).", key="model.mlp_chunk",
+                      source=source_of(source, "model.mlp_chunk", "train.seq_len",
+                                       *(("mesh.fsdp",) if sp else ())),
+                      fix=f"use a divisor of {local} (e.g. {divisors[0]}), or 0 to run the MLP "
+                          "untiled")
+
+
 def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: Source,
                    num_devices: int | None, check_fixes: bool) -> None:
   """What gradient release (`zerojax.release`) cannot do yet, named by its keys. Each fix
@@ -378,4 +399,12 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None
   if sp:
     _check_sequence(config, fsdp, source)
+  if config.model.activation_offload != "none" and config.model.remat == "none":
+    raise ConfigError("moves what remat saves per layer to host memory; with "
+                      "model.remat='none' the backward pass keeps every value of every layer.",
+                      key="model.activation_offload",
+                      source=source_of(source, "model.activation_offload", "model.remat"),
+                      fix="use model.remat='full' (or a named policy), or "
+                          "model.activation_offload='none'")
+  _check_mlp_chunk(config, fsdp, source)
   _check_release(config, fsdp, source, num_devices, check_fixes)

@@ -144,7 +144,7 @@ class ZeroPlan:
       >= 1 (leaves that mirror a parameter follow it; scalars are None).
     offload: the optimizer-state leaves that mirror the params (moments, Kahan /
       master buffers) live in host memory (`memory_kind='pinned_host'`); the update
-      streams them to the device and back (`zerojax.offload`). Scalars (counts) stay.
+      streams them to the device and back (`zerojax.streaming`). Scalars (counts) stay.
     sequence_axes: data axes each sequence is split over by position (sequence
       parallelism, `zerojax.sequence`); the examples are split over the others.
   """

@@ -58,7 +58,7 @@ _LOOPS_TIMEOUT_S = 60
 # decides the optimizer state's structure. Keys that only change how the same model is
 # computed (remat, attention kernel, block sizes) may change between runs.
 _COMPUTE_ONLY = ("model.remat", "model.attention", "model.attention_block",
-                 "model.loss_chunk")
+                 "model.loss_chunk", "model.mlp_chunk", "model.activation_offload")
 _STATE_KEYS = ("precision.param_dtype", "optimizer.name", "optimizer.state_dtype",
                "optimizer.update_rule")
 

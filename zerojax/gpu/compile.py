@@ -130,6 +130,7 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
                 outputs=stats.output_size_in_bytes, aliased=stats.alias_size_in_bytes,
                 host_arguments=stats.host_argument_size_in_bytes,
                 host_outputs=stats.host_output_size_in_bytes,
+                host_temporaries=stats.host_temp_size_in_bytes,
                 seconds=time.perf_counter() - start)
   return GpuCompiled(executable.hlo_modules()[0].to_string(), memory, options)
 

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from zerojax import sequence
+from zerojax.models import chunked_loss, tiled
 from zerojax.models.attention import attention_kernel, cached_attention, causal_attention
-from zerojax.models.chunked_loss import chunked_nll
 from zerojax.models.remat import POLICIES, named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from zerojax.release import LayeredLoss
@@ -39,8 +39,7 @@ Params = Any
 ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
 
 ATTENTION = ("auto", "blocked", "dot_product")
-# The config's flat RoPE-scaling keys (zerojax/schema.py) -> the keys of
-# `LlamaConfig.rope_scaling` (Hugging Face's names). The only keys whose names differ.
+# The config's flat RoPE-scaling keys (zerojax/schema.py) -> `rope_scaling`'s (HF's names).
 ROPE_SCALING = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_context": "original_max_position_embeddings"}
@@ -73,12 +72,14 @@ class LlamaConfig:
       'auto' is whichever `attention_kernel` picks for the backend.
     attention_block: query positions per block for 'blocked'.
     loss_chunk: sequence positions per chunk of the head + loss.
+    mlp_chunk: positions per tile of the MLP, 0 = untiled (`zerojax.models.tiled`).
     remat: per-layer rematerialization, one of `zerojax.models.remat.POLICIES`: 'none',
       'full' (save only layer inputs), 'dots' (also matmul outputs without batch dims)
       or a set of named values ('minimal', 'save_qkv_proj', ...).
     sequence_axis: the mesh axis each sequence is split over inside the train step's
       `shard_map` (sequence parallelism: Ulysses attention, `zerojax.sequence`); None:
       every device holds whole sequences.
+    activation_offload: 'host': remat's saved values in host memory (`zerojax.streaming`).
   """
   vocab_size: int = 256
   d_model: int = 128
@@ -95,8 +96,10 @@ class LlamaConfig:
   attention: str = "auto"
   attention_block: int = 512
   loss_chunk: int = 1024
+  mlp_chunk: int = 0
   remat: str = "full"
   sequence_axis: str | None = None
+  activation_offload: str = "none"
 
   def __post_init__(self):
     for ok, message in [
@@ -107,8 +110,9 @@ class LlamaConfig:
         (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
         (self.attention in ATTENTION, f"attention must be one of {ATTENTION}"),
         (self.remat in POLICIES, f"remat must be one of {POLICIES}"),
-        (min(self.attention_block, self.loss_chunk) > 0,
-         "attention_block and loss_chunk must be positive"),
+        (min(self.attention_block, self.loss_chunk) > 0 and self.mlp_chunk >= 0,
+         "attention_block and loss_chunk must be positive, mlp_chunk non-negative"),
+        (self.activation_offload in ("none", "host"), "activation_offload: 'none' or 'host'"),
         (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS,
          f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}")]:
       if not ok:
@@ -222,8 +226,7 @@ class Mlp(nn.Module):
     """[B, T, D] -> [B, T, D], compute dtype."""
     c = self.config
     dense = lambda h, width, axes, name: named(_dense(c, width, axes, name)(h), name)
-    gate = dense(x, c.d_ff, ("embed", "mlp"), "gate_proj")
-    up = dense(x, c.d_ff, ("embed", "mlp"), "up_proj")
+    gate, up = (dense(x, c.d_ff, ("embed", "mlp"), name) for name in ("gate_proj", "up_proj"))
     return dense(jax.nn.silu(gate) * up, c.d_model, ("mlp", "embed"), "down_proj")
 
 
@@ -241,7 +244,7 @@ class Block(nn.Module):
     out = Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids, cache)
     out, cache = (out, None) if cache is None else out
     x = x + out
-    x = x + Mlp(c, name="mlp")(norm("post_attention_layernorm")(x))
+    x = x + tiled.apply(Mlp(c, name="mlp"), norm("post_attention_layernorm")(x), c.mlp_chunk)
     return x, cache
 
 
@@ -320,12 +323,11 @@ class Llama(nn.Module):
     x = self.embed_tokens(tokens)
     cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
     if c.remat != "none" and not self.is_initializing():
-      # The same layers and the same remat as `self.layers`, run by `zerojax.scan_layers`,
-      # whose backward pass writes each layer's gradient over the (fp32) params it was
-      # given instead of into a second whole-model array: 4 bytes per param less.
+      # `self.layers` run by `zerojax.scan_layers`, whose backward pass writes each layer's
+      # gradient over the (fp32) params given, not into a second model: 4 B/param less.
       return scan_layers(functools.partial(apply_block, c),
                          self.variables["params"]["layers"], x, cos, sin, segment_ids,
-                         policy=policy(c.remat))
+                         policy=policy(c.remat), offload=c.activation_offload == "host")
     x, _ = self.layers(x, (cos, sin), segment_ids)
     return x
 
@@ -375,14 +377,12 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
 
 def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,
               loss_mask: jax.Array | None = None) -> jax.Array:
-  """Cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]:
-  the final norm and head, `loss_chunk` positions at a time (`chunked_nll`), so the
-  fp32 logits of the whole sequence are never alive. `params` needs only the non-layer
-  leaves (norm, head or the tied embedding). Returns the float32 scalar sum over B x T
-  positions of nll x loss_mask (float[B, T], default 1) / (B x T).
-  """
+  """Cross-entropy of `targets` int32[B, T] given the last layer's output x [B, T, D]: the
+  final norm and head, `loss_chunk` positions at a time (`chunked_nll`: no whole-sequence
+  fp32 logits); `params`: the non-layer leaves. Returns the float32 sum over B x T
+  positions of nll x loss_mask (float[B, T], default 1) / (B x T)."""
   head = lambda h: Llama(config).apply({"params": params}, h, method=Llama.head)
-  return chunked_nll(head, x, targets, config.loss_chunk, loss_mask)
+  return chunked_loss.chunked_nll(head, x, targets, config.loss_chunk, loss_mask)
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
@@ -494,7 +494,7 @@ class LlamaLM:
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
             c, rest, x, sequence.inputs_and_targets(batch)[1], batch.get("loss_mask")),
-        stack="layers")
+        stack="layers", offload=c.activation_offload == "host")
 
   def flops_per_token(self, seq_len: int) -> float:
     return flops_per_token(self.config, seq_len)

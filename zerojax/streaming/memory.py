@@ -1,24 +1,14 @@
-"""Optimizer-state offload: moments and Kahan / master buffers live in host memory.
+"""The moves between device and host memory, and what a platform and a compiled module
+say about host memory.
 
-With `make_plan(..., offload=True)` (config `optimizer.offload='host'`) the optimizer
-state's param-shaped leaves have `memory_kind='pinned_host'` shardings
-(`ZeroPlan.opt_shardings`): between steps, and through the forward and backward
-passes, they take no device memory. The update brings them to the device, updates
-them there and sends them back (`streamed`). Run one layer at a time
-(`updates.update_by_layer`, and gradient release's per-layer update), only one layer's
-state is on the device at once; the whole-tree update (optimizers that are not
-leafwise) brings the whole state over for the update.
-
-Every computation runs on device values: a host value is only sliced (layer i of a
-stack) and moved. XLA:GPU and TPU turn the moves into DMA copies (`jax.device_put` to
-a memory space lowers to `annotate_device_placement` custom calls there); XLA:CPU
-keeps host and device in the same RAM and lowers them to nothing, so on CPU an
-offloaded step computes exactly what the normal step computes.
+A move is `jax.device_put(x, jax.memory.Space.Host | Device)` inside a jitted function:
+XLA:GPU and TPU lower it to `annotate_device_placement` custom calls (DMA copies once
+XLA's host offloader is through); XLA:CPU, whose host and device share one RAM, to
+nothing.
 """
 
 import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -65,29 +55,6 @@ def on_device(x: jax.Array) -> jax.Array:
   if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
     return jax.device_put(x, jax.memory.Space.Device)
   return x
-
-
-def streamed(update: Callable, plan: zero.ZeroPlan) -> Callable:
-  """`update(grads, opt_state, params, **kw)` with the offloaded state moved around it.
-
-  The state `update` is given (the whole tree, or one layer's slices of it as
-  `updates.LayerViews` cuts them: the same tree structure) comes to the device first;
-  the new state goes back to host memory. Without offload, `update` itself.
-
-  Returns:
-    A function of the same arguments returning (new params, new optimizer state with
-    the offloaded leaves in host memory, sum of squared updates).
-  """
-  if not plan.offload:
-    return update
-  mask = plan.opt_offloaded
-
-  def run(grads, opt_state, params, **kwargs):
-    new_params, new_state, squares = update(grads, to_device(opt_state, mask), params,
-                                            **kwargs)
-    return new_params, to_host(new_state, mask), squares
-
-  return run
 
 
 def host_parameter_bytes(hlo_text: str) -> int:

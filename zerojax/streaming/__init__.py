@@ -1,0 +1,45 @@
+"""Host streaming: state that lives in pinned host memory and visits the device a layer
+at a time.
+
+One mechanism for every per-layer stream between host and device:
+
+- `memory`: the moves themselves (`to_host`, `to_device` of masked leaves; `on_device`
+  for code that must compute on any leaf) and what a platform and a compiled module
+  say about host memory (`has_host_memory`, `host_parameter_bytes`).
+- `layers`: a stack (a pytree whose leaves have a leading layers axis) kept in host
+  memory, written one layer at a time by the forward pass's scan (`outbound`) and read
+  back one layer at a time (`fetch`); `backward_layers` is the loop over the layers in
+  reverse that reads a read-only stack one layer ahead, so layer i-1's copy is in
+  flight while layer i computes.
+- `optimizer`: `streamed`, an optimizer update with its offloaded state brought to the
+  device before it and sent back after.
+
+Its users: the optimizer-state offload (`optimizer.offload='host'`: the update by layer
+and gradient release's per-layer update bring one layer's moments over and send them
+back, `streamed` around `updates.LayerViews`' slices: read and written in the same
+loop, so not read ahead, see `layers`), and the
+activation offload (`model.activation_offload='host'`: the layer inputs and what a remat
+policy saves go to host memory as each layer's forward pass ends, `stage3.scan_layers`
+and release's layer loop, and come back one layer ahead in the backward pass).
+
+Every computation runs on device values; a host value is only sliced, written and
+moved. XLA:GPU and TPU turn the moves into DMA copies (`jax.device_put` to a memory
+space lowers to `annotate_device_placement` custom calls; XLA's host offloader makes
+the stacked host buffer and the slices' copies); XLA:CPU keeps host and device in the
+same RAM and lowers the moves to nothing, so on CPU a streamed step computes exactly
+what the step without streaming computes.
+"""
+
+from zerojax.streaming.layers import backward_layers, fetch, outbound
+from zerojax.streaming.memory import (
+    has_host_memory,
+    host_parameter_bytes,
+    memory_kinds,
+    on_device,
+    to_device,
+    to_host,
+)
+from zerojax.streaming.optimizer import streamed
+
+__all__ = ["backward_layers", "fetch", "has_host_memory", "host_parameter_bytes",
+           "memory_kinds", "on_device", "outbound", "streamed", "to_device", "to_host"]
