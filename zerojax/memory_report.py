@@ -73,8 +73,8 @@ def _labels(s: RunSpec) -> dict:
       "gradients": f"gradients ({s.reduce_dtype}, {grads})",
       "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",
       "saved activations": "saved activations (" + (
-          "release: layer inputs" if s.release else f"remat {s.remat}")
-      + ("; 2 layers on device" if s.activation_offload else "") + ")",
+          "2 layers; the rest in host memory" if s.activation_offload else
+          "release: layer inputs" if s.release else f"remat {s.remat}") + ")",
       "working set": "one layer's recompute + backward",
       "gathered layer": "gathered layer (fp32 on XLA:CPU)",
       "gathered head": "gathered head/embedding + a copy",
