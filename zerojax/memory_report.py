@@ -4,6 +4,9 @@
     python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
         [--compile] [--json] [--config.a.b=value ...]
     python -m zerojax.memory --config configs/70b_8x80gb.py --target h100:8 --compile
+    python -m zerojax.memory --config configs/8b_bf16.py --target h100:8 --longest-sequence \
+        --config.mesh.sequence_parallel=True --config.mesh.data=1 \
+        --config.train.global_batch_size=1 [--compile]
 
 `--target` names a GPU (`zerojax.gpu.targets`): the verdict is against the memory XLA's
 allocator has on it as train.py runs, and `--compile` compiles with XLA's GPU compiler
@@ -28,6 +31,8 @@ from zerojax.memory import (
   Suggestion,
   attribute,
   estimate,
+  longest_sequence,
+  sequence_unit,
   suggestions,
 )
 from zerojax.units import fmt_bytes, parse_bytes
@@ -68,6 +73,7 @@ def _labels(s: RunSpec) -> dict:
       "gradients": f"gradients ({s.reduce_dtype}, {grads})",
       "accumulator": f"gradient accumulator ({s.accum_dtype}, {s.microbatches} microbatches)",
       "saved activations": "saved activations (" + (
+          "2 layers; the rest in host memory" if s.activation_offload else
           "release: layer inputs" if s.release else f"remat {s.remat}") + ")",
       "working set": "one layer's recompute + backward",
       "gathered layer": "gathered layer (fp32 on XLA:CPU)",
@@ -76,7 +82,24 @@ def _labels(s: RunSpec) -> dict:
       "loss chunk": "loss chunk (fp32 logits)",
       "embedding copy": "embedding copy (XLA:CPU)",
       "streamed state": "optimizer state streamed in for the update",
+      "saved activations (host)": "saved activations (every layer's)",
       "batch": "batch (int32 tokens)"}
+
+
+def _positions(s: RunSpec) -> str:
+  return f"{s.positions} (of {s.seq_len})" if s.sequence_parallel else str(s.seq_len)
+
+
+def format_sequence(e: Estimate) -> str:
+  """Sequence parallelism's line: the split and the all-to-all bytes ("" without it)."""
+  s = e.setup
+  if not s.sequence_parallel:
+    return ""
+  return (f"sequence parallel over fsdp={s.fsdp}: {s.positions} positions a device, attention "
+          f"on all {s.seq_len} for {s.n_heads // s.fsdp} of {s.n_heads} heads; all-to-all "
+          f"{fmt_bytes(e.all_to_all)} a device per layer and step "
+          f"({fmt_bytes(e.all_to_all * s.n_layers)} for all layers; "
+          "zerojax.sequence.ulysses.all_to_all_bytes)")
 
 
 def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | None = None,
@@ -90,7 +113,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   lines = [
       f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
       f"ZeRO stage {s.stage}".replace("  ", " "),
-      f"  {_count(e.params)} params; per device {s.batch} x {s.seq_len} tokens x "
+      f"  {_count(e.params)} params; per device {s.batch} x {_positions(s)} tokens x "
       f"{s.microbatches} microbatch(es); remat {s.remat}; {s.optimizer}, {s.state_dtype} state, "
       f"{s.update_rule} updates" + ("; gradient release" if s.release else ""),
       f"model state as users count it: params {c['params']} + gradients {c['gradients']:.3g} + "
@@ -137,10 +160,12 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   if compiled and not gpu and _cpu_without_memory_flags():
     lines.append("(compiled by XLA:CPU without its memory flags, which the estimate assumes: "
                  "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
+  if s.sequence_parallel:
+    lines.append(format_sequence(e))
   if e.host:
     node = min(s.devices, DEVICES_PER_NODE)
-    lines.append("host memory (optimizer.offload=host): " + " + ".join(
-        f"{labels[k]} {fmt_bytes(v)}" for k, v in e.host.items())
+    lines.append("host memory (offload): " + " + ".join(
+        f"{labels.get(k + ' (host)', labels[k])} {fmt_bytes(v)}" for k, v in e.host.items())
         + f" = {fmt_bytes(e.host_total)} per device, {fmt_bytes(e.host_per_node)} per node "
         f"of {node} device(s)")
   if e.device_memory:
@@ -172,7 +197,7 @@ def format_suggestions(e: Estimate, found: list[Suggestion]) -> str:
   if not e.device_memory or e.fits:
     return ""
   if not found:
-    return "no change tried here makes it fit (see zerojax.memory._changes)"
+    return "no change tried here makes it fit (see zerojax.memory.search._changes)"
   lines = ["changes that make it fit, cheapest first:"]
   for i, x in enumerate(found, 1):
     lines.append(f"  {i}. {x.change:60s} -> {fmt_bytes(x.estimate.total):>11s} "
@@ -186,7 +211,8 @@ def to_dict(e: Estimate) -> dict:
               conventional_per_device=e.conventional_per_device, components=e.components,
               phases=e.phases, peak_phase=e.peak_phase, state=e.state, total=e.total,
               device_memory=e.device_memory, fits=e.fits, host=e.host,
-              host_total=e.host_total, host_per_node=e.host_per_node)
+              host_total=e.host_total, host_per_node=e.host_per_node,
+              all_to_all=e.all_to_all)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +235,9 @@ def _main(argv: list[str]) -> int:
   p.add_argument("--compile", action="store_true", help="also compile the step (for --target "
                  "with XLA's GPU compiler; else on as many fake CPU devices with XLA:CPU's "
                  "memory flags) and show XLA's numbers")
+  p.add_argument("--longest-sequence", "--longest_sequence", action="store_true",
+                 help="plan (and with --compile, compile) at the longest train.seq_len that "
+                 "fits in the device memory, at this batch (zerojax.memory.longest_sequence)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   p.add_argument("--generate", default="", metavar="BATCHxLEN",
                  help="also the KV cache of generating BATCH prompts of LEN tokens in all, "
@@ -241,6 +270,12 @@ def _main(argv: list[str]) -> int:
     device_memory = device_memory or where[0]
   with for_target(spec):  # The estimate's kernels are the target's (attention 'auto').
     e = estimate(config, args.devices, device_memory)
+    longest = None
+    if args.longest_sequence:
+      longest = longest_sequence_line(config, e, args.devices, device_memory)
+      if longest is None:
+        return 1
+      e, config.train.seq_len = longest[0], longest[0].setup.seq_len
   compiled = attributed = None
   if args.compile:
     compiled, attributed = compile_and_attribute(config, e, spec)
@@ -254,7 +289,10 @@ def _main(argv: list[str]) -> int:
                           suggestions=[dict(change=x.change, overrides=x.overrides,
                                             total=x.estimate.total) for x in found])))
   else:
-    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides]),
+    if longest:
+      print(longest[1])
+    at = [f"at train.seq_len={e.setup.seq_len}"] if longest else []
+    print(format_table(e, compiled, attributed, title=" ".join([path, *overrides, *at]),
                        gpu=bool(spec)))
     if spec:
       print(format_target_verdict(spec, where, device_memory, compiled))
@@ -268,6 +306,22 @@ def _main(argv: list[str]) -> int:
     if text:
       print(text)
   return 0 if not device_memory or fits else 1
+
+
+def longest_sequence_line(config, e: Estimate, devices: int, device_memory: int):
+  """(the estimate at the longest train.seq_len that fits, a line that says so), or None
+  (said on stdout) when none fits or no device memory is given."""
+  if not device_memory:
+    print("--longest-sequence needs the device memory: --device-memory or --target")
+    return None
+  unit = sequence_unit(e.setup)
+  found = longest_sequence(config, devices, device_memory)
+  if found is None:
+    print(f"no train.seq_len (a multiple of {unit}) fits in {fmt_bytes(device_memory)} at "
+          f"{e.setup.batch} sequence(s) per device")
+    return None
+  return found, (f"longest train.seq_len that fits: {found.setup.seq_len} (a multiple of "
+                 f"{unit}: sequence_unit), {e.setup.batch} sequence(s) per device")
 
 
 def generation_cache(config, devices: int, flag: str, error) -> dict | None:

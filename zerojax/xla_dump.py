@@ -33,7 +33,11 @@ def live_at_peak(dump_dir: str) -> list[tuple[int, str, str]]:
   if base is None:
     return []
   with open(base + "-buffer-assignment.txt") as f:
-    temp = f.read().split("preallocated-temp:")[1].split("\nallocation")[0]
+    allocations = f.read().split("\nallocation ")
+  # The device's temporaries: with activation offload a second preallocated-temp
+  # allocation, color 5 (host memory), holds the host buffers.
+  temp = next(a for a in allocations if "preallocated-temp:" in a.split("\n")[0]
+              and ", color 5," not in a.split("\n")[0])
   with open(base + "-live-range.txt") as f:
     live = {n: (int(a), int(b)) for n, a, b in re.findall(r"^    (\S+\{\S*\}):(\d+)-(\d+)",
                                                          f.read(), re.M)}

@@ -1,0 +1,114 @@
+"""The activation terms of one microbatch: what the layers save for the backward pass
+(by remat policy), one layer's recompute + backward working set, the loss chunk.
+
+With sequence parallelism a device holds `T / fsdp` positions of each of its examples
+for everything but attention (`RunSpec.positions`); attention runs on the whole T for
+`H / fsdp` query heads and the KV heads the trade gives each device
+(`sequence.ulysses.kv_repeats`).
+"""
+
+from zerojax import gpu as zerojax_gpu
+from zerojax.memory.spec import DTYPE_BYTES, Counts, RunSpec
+from zerojax.models import remat as remat_policies
+from zerojax.models.attention import attention_kernel
+from zerojax.sequence import ulysses
+
+
+def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
+  """Per-device bytes: 'saved activations', 'working set', 'loss chunk'; with activation
+  offload also 'saved activations (host)', the layers' share kept in host memory."""
+  pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
+  D, F, L, V, T, b = s.d_model, s.d_ff, s.n_layers, s.vocab_size, s.seq_len, s.batch
+  H, kv = s.n_heads, s.n_kv_heads * (s.d_model // s.n_heads)
+  local = s.positions  # T, or T / fsdp with sequence parallelism.
+  n = b * local
+  # Saved for the backward pass, per layer and token:
+  if s.model == "mlp_lm":  # Rough: not calibrated.
+    width = {"full": D, "dots": 2 * D + F, "none": (s.context + 4) * D + 3 * F}[remat]
+  elif remat_policies.SAVED.get(remat) is not None:  # The layer input and the named values.
+    width = D + remat_policies.saved_width(remat, D, H * (D // H), kv, F)
+  else:  # none: also the norms' fp32 inputs and outputs (4 D of 4 bytes = 8 D of 2).
+    width = {"dots": 3 * D + 2 * kv + 2 * F, "none": 3 * D + 2 * kv + 6 * F + 8 * D}[remat]
+  saved, host = L * n * width * cb, 0
+  if s.activation_offload:  # The layer in use and the one prefetched stay on the device.
+    host, saved = saved, min(L, 2) * n * width * cb
+  if remat == "none" and s.behaviour.shards_params:
+    saved += pb * counts.layers  # Every layer's gathered weights, kept for the backward.
+  # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
+  # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
+  # picks on a GPU) keeps a block's worth, like the blocked loop.
+  kernel = attention_kernel(s.attention, s.compute_dtype)
+  fused = kernel == "dot_product" and attention_kernel("auto", s.compute_dtype) == kernel
+  S = T if kernel == "dot_product" and not fused else min(s.attention_block, T)
+  # The MLP's [.., d_ff] temporaries are for one chunk of positions (model.mlp_chunk).
+  rows = b * min(s.mlp_chunk or local, local)
+  if s.model == "llama" and (s.sequence_parallel or zerojax_gpu.backend() != "gpu"):
+    attention, mlp = _layer_backward(s, S, rows, fused)
+  else:  # mlp_lm (rough), and the GPU without sequence parallelism: calibrated at 4096
+    # positions (WORKSPACE, "GPU targets"), its (T / S) n D term over-counts long sequences.
+    attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
+    mlp = rows * F * (5 * cb + 4) + 5 * n * D * 4
+  if s.model == "mlp_lm":
+    attention = 0
+  # Any remat but 'none' runs `stage3.scan_layers` (a layer recomputed from what it saved).
+  working = rows * 2 * F * cb + n * 12 * D * 4 if remat == "none" else max(mlp, attention)
+  loss = b * min(s.loss_chunk, local) * V * 4  # A chunk of fp32 logits (or their gradient).
+  if s.model == "mlp_lm":
+    loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
+  return {"saved activations": saved, "working set": working, "loss chunk": loss,
+          "saved activations (host)": host}
+
+
+def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, int]:
+  """One Llama layer's backward: (its attention part, its MLP part), read off the
+  compilers' buffers at the peak (WORKSPACE, "Long context"). With sequence parallelism
+  attention runs on the whole sequence for H / fsdp query heads; without it (fsdp = 1 in
+  what follows) on the device's own sequences for all heads.
+
+  XLA:CPU, blocked attention: a query block's scores against all T keys (recomputed in
+  fp32, their fp32 gradient, the probabilities in the compute dtype); q, k, v over the
+  whole sequence in the compute dtype with the fp32 gradients of q and of k, v (summed
+  over blocks); the slice's fp32 residual-stream buffers and one MLP chunk's [.., d_ff].
+  The MLP's backward (before attention's) holds its [.., d_ff] values (one fp32, six in
+  the compute dtype), the slice's [.., d_model] (five fp32, three in the compute dtype)
+  and the recomputed attention's whole-sequence q and output.
+
+  XLA's GPU compiler (sequence parallelism) keeps everything in the compute dtype: the
+  MLP's backward holds four [.., d_ff] and ten [.., d_model] values of the slice (the
+  whole-sequence q and output among them: T x H / fsdp heads is the slice's width), its
+  k and v, and the fp32 RoPE tables. cuDNN's attention materializes no scores: q, k, v,
+  the output and their gradients over the whole sequence, six [.., d_model] of the slice
+  (never the peak in the compiles measured: the MLP's backward was, down to d_ff =
+  d_model / 2).
+  """
+  cb, T, b, D, F = DTYPE_BYTES[s.compute_dtype], s.seq_len, s.batch, s.d_model, s.d_ff
+  Dh = s.d_model // s.n_heads
+  heads, kv = ((s.n_heads // s.fsdp, kv_width(s)) if s.sequence_parallel
+               else (s.n_heads, s.n_kv_heads * Dh))
+  q, n = heads * Dh, b * s.positions
+  if zerojax_gpu.backend() == "gpu":
+    mlp = (rows * F * 4 + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
+    if fused:
+      return b * T * (q + kv) * 4 * cb + n * D * 6 * cb, mlp
+  else:
+    mlp = rows * F * (6 * cb + 4) + n * D * (5 * 4 + 3 * cb) + 2 * b * T * q * cb
+  scores = b * heads * S * T * (2 * 4 + cb)
+  whole = b * T * (q * (3 * cb + 4) + kv * (2 * cb + 2 * 4))
+  return scores + whole + n * D * (3 * 4 + cb) + rows * F * cb, mlp
+
+
+def kv_width(s: RunSpec) -> int:
+  """K/V values per position a device attends with under sequence parallelism: its share
+  of the KV heads after their repeats (`ulysses.kv_repeats`)."""
+  Dh = s.d_model // s.n_heads
+  return s.n_kv_heads * ulysses.kv_repeats(s.n_heads, s.n_kv_heads, s.fsdp) // s.fsdp * Dh
+
+
+def all_to_all_bytes(s: RunSpec, remat: str) -> int:
+  """Bytes one device puts into Ulysses' all-to-alls per layer and step (all its
+  microbatches; `sequence.ulysses.all_to_all_bytes`); 0 without sequence parallelism."""
+  if not s.sequence_parallel:
+    return 0
+  return ulysses.all_to_all_bytes(s.batch * s.microbatches, s.seq_len, s.fsdp, s.n_heads,
+                                  s.n_kv_heads, s.d_model // s.n_heads,
+                                  DTYPE_BYTES[s.compute_dtype], remat)

@@ -1,0 +1,135 @@
+"""What the planner reads of a config: `RunSpec` (one run resolved for a device count) and
+the parameter counts of its model, sharded by the plan's rule."""
+
+import collections
+import dataclasses
+import math
+
+from zerojax import models
+from zerojax.zero import StageBehaviour, local_shape, shard_dim
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One training run as the planner sees it: what it reads of a config, resolved for a
+  device count (the `setup` of an `Estimate`)."""
+  model: str
+  vocab_size: int
+  d_model: int
+  d_ff: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  context: int
+  tie_embeddings: bool
+  attention: str
+  attention_block: int
+  loss_chunk: int
+  remat: str
+  param_dtype: str
+  compute_dtype: str
+  reduce_dtype: str
+  accum_dtype: str
+  optimizer: str
+  state_dtype: str
+  update_rule: str
+  momentum: float
+  stage: int
+  min_shard_size: int
+  data: int
+  fsdp: int
+  batch: int  # Sequences (whole, or their slices with sequence parallelism) per device per
+  # microbatch.
+  microbatches: int
+  seq_len: int
+  release: bool  # Gradient release (`zerojax.release`): stage 3, one microbatch.
+  # The model's own (shape, logical axes) of every parameter leaf (`param_shapes()`).
+  param_shapes: tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]
+  offload: bool = False  # The optimizer state in host memory (optimizer.offload='host').
+  # Each sequence split by position over the 'fsdp' devices (mesh.sequence_parallel).
+  sequence_parallel: bool = False
+  mlp_chunk: int = 0  # Positions the MLP runs at a time (model.mlp_chunk; 0: all).
+  # The saved residuals in host memory (model.activation_offload='host').
+  activation_offload: bool = False
+
+  @classmethod
+  def from_config(cls, config, devices: int) -> "RunSpec":
+    """Raises ConfigError when the mesh does not fit `devices`."""
+    from zerojax.validate import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
+    m, p, o, t = config.model, config.precision, config.optimizer, config.train
+    data, fsdp = resolve_mesh_shape(config, devices)
+    shapes = models.from_config(config).param_shapes().values()
+    sp = bool(config.mesh.sequence_parallel)  # The examples are split over 'data' only.
+    return cls(
+        model=m.name, vocab_size=m.vocab_size, d_model=m.d_model, d_ff=m.d_ff,
+        n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, context=m.context,
+        tie_embeddings=m.tie_embeddings, attention=m.attention,
+        attention_block=m.attention_block, loss_chunk=m.loss_chunk, remat=m.remat,
+        param_dtype=p.param_dtype, compute_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype,
+        accum_dtype=p.accum_dtype, optimizer=o.name, state_dtype=o.state_dtype,
+        update_rule=o.update_rule, momentum=o.momentum, stage=config.zero.stage,
+        min_shard_size=config.zero.min_shard_size, data=data, fsdp=fsdp,
+        batch=max(t.global_batch_size // (data * (1 if sp else fsdp) * t.microbatches), 1),
+        microbatches=t.microbatches, seq_len=t.seq_len, release=o.release,
+        param_shapes=tuple((tuple(shape), tuple(names)) for shape, names in shapes),
+        offload=o.offload == "host", sequence_parallel=sp,
+        # Keys newer than some configs: read with their defaults.
+        mlp_chunk=int(m.get("mlp_chunk", 0)),
+        activation_offload=m.get("activation_offload", "none") == "host")
+
+  @property
+  def devices(self) -> int:
+    return self.data * self.fsdp
+
+  @property
+  def example_shards(self) -> int:
+    """Devices the examples are split over: all, or 'data' with sequence parallelism."""
+    return self.data if self.sequence_parallel else self.devices
+
+  @property
+  def positions(self) -> int:
+    """Positions of each sequence a device holds outside attention."""
+    return self.seq_len // self.fsdp if self.sequence_parallel else self.seq_len
+
+  @property
+  def behaviour(self) -> StageBehaviour:
+    """What the stage shards and how it reduces, as the plan would say (one rule)."""
+    return StageBehaviour.of(self.stage, self.fsdp)
+
+
+def _leaves(s: RunSpec) -> list[tuple[tuple[int, ...], bool, bool]]:
+  """(shape, layer-stacked, vocab-sized) of every parameter leaf, as the model makes them."""
+  return [(shape, "layers" in names, "vocab" in names) for shape, names in s.param_shapes]
+
+
+def _local_shape(s: RunSpec, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
+  """One device's shard of a leaf, by the plan's rule (`zero.shard_dim`)."""
+  names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
+  return local_shape(shape, shard_dim(shape, names, s.fsdp, s.min_shard_size), s.fsdp)
+
+
+class Counts(collections.namedtuple("Counts", "total layers local local_layers largest")):
+  """Parameter counts: all, layer-stacked, one device's shard (all, layer-stacked), and
+  the largest layer-stacked leaf."""
+
+
+def param_counts(s: RunSpec) -> Counts:
+  total = layers = local = local_layers = largest = 0
+  for shape, layered, _ in _leaves(s):
+    n, n_local = math.prod(shape), math.prod(_local_shape(s, shape, layered))
+    total, local = total + n, local + n_local
+    if layered:
+      layers, local_layers, largest = layers + n, local_layers + n_local, max(largest, n)
+  return Counts(total, layers, local, local_layers, largest)
+
+
+
+def _as_setup(config, devices: int | None) -> RunSpec:
+  if isinstance(config, RunSpec):
+    return config
+  if devices is None:
+    raise ValueError("estimate(config, devices): say how many devices")
+  return RunSpec.from_config(config, devices)
+

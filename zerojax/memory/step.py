@@ -1,0 +1,173 @@
+"""The step's bytes: `estimate` (state, gradients, the activation terms, stage 3's gathers)
+and `Estimate`, its per-device components and the phases they peak in."""
+
+import dataclasses
+
+from zerojax import gpu as zerojax_gpu
+from zerojax.memory.activations import activations, all_to_all_bytes
+from zerojax.memory.spec import DTYPE_BYTES, RunSpec, _as_setup, param_counts
+
+# Devices one node holds, for host memory per node (the common 8-GPU node; a run on
+# fewer devices is counted as one node).
+DEVICES_PER_NODE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Per-device bytes of a train step (see the module docstring).
+
+  Attributes:
+    setup: what was estimated.
+    params: parameter count.
+    conventional: bytes per parameter as users count model state: params, gradients
+      (param dtype; fp32 with master weights), optimizer (moments + Kahan / master).
+    components: name -> per-device bytes the zerojax step holds (state and temporaries).
+    parts: phase name -> the temporaries (component names) alive together in it.
+    state: per-device bytes of the train state and the batch (the step's arguments)
+      in device memory.
+    device_memory: bytes per device to fit in (0: not given).
+    host: name -> per-device bytes kept in host memory (optimizer state, saved
+      activations: offload).
+    all_to_all: bytes one device puts into sequence parallelism's all-to-alls per layer
+      and step (0 without it).
+  """
+  setup: RunSpec
+  params: int
+  conventional: dict
+  components: dict
+  parts: dict
+  state: int
+  device_memory: int = 0
+  host: dict = dataclasses.field(default_factory=dict)
+  all_to_all: int = 0
+
+  @property
+  def phases(self) -> dict:
+    """Phase name -> per-device bytes of its temporaries."""
+    return {k: sum(self.components[x] for x in v) for k, v in self.parts.items()}
+
+  @property
+  def total(self) -> int:
+    """The per-device peak: the state plus the largest phase."""
+    return self.state + max(self.phases.values())
+
+  @property
+  def bytes_per_param(self) -> float:
+    return sum(self.conventional.values())
+
+  @property
+  def conventional_per_device(self) -> float:
+    """The ZeRO paper's per-device model state, e.g. (4 + K) Psi / N at stage 3."""
+    b, shards, c = self.setup.behaviour, self.setup.fsdp, self.conventional
+    return self.params * (c["params"] / (shards if b.shards_params else 1)
+                          + c["gradients"] / (shards if b.shards_grads else 1)
+                          + c["optimizer"] / (shards if b.shards_opt_state else 1))
+
+  @property
+  def host_total(self) -> int:
+    """Per-device bytes of host memory the step takes (offload; 0 without)."""
+    return sum(self.host.values())
+
+  @property
+  def host_per_node(self) -> int:
+    """Host bytes of the devices of one node: `DEVICES_PER_NODE` (or all, if fewer)."""
+    return self.host_total * min(self.setup.devices, DEVICES_PER_NODE)
+
+  @property
+  def peak_phase(self) -> str:
+    return max(self.phases, key=self.phases.get)
+
+  @property
+  def fits(self) -> bool:
+    return bool(self.device_memory) and self.total <= self.device_memory
+
+  @property
+  def headroom(self) -> int:
+    return self.device_memory - self.total
+
+
+def estimate(config, devices: int | None = None, device_memory: int = 0) -> Estimate:
+  """Per-device memory of the train step of `config` (a config or a `RunSpec`) on `devices`."""
+  s = _as_setup(config, devices)
+  counts = param_counts(s)
+  P = counts.total
+  pb, sb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.state_dtype]
+  gb, ab = DTYPE_BYTES[s.reduce_dtype], DTYPE_BYTES[s.accum_dtype]
+  D, L, V, T, b = s.d_model, s.n_layers, s.vocab_size, s.seq_len, s.batch
+  moments = {"adamw": 2, "lion": 1, "sgd": 1 if s.momentum else 0}[s.optimizer]
+  rule = {"kahan": pb, "master": 4}.get(s.update_rule, 0)
+  other = P - counts.layers
+  # With release only the leaves outside the layer stack keep a gradient.
+  conventional = dict(params=pb, gradients=(4 if s.update_rule == "master" else pb)
+                      * (other / P if s.release else 1), optimizer=moments * sb + rule)
+  # Release saves each layer's input and recomputes it in its backward loop whatever the
+  # remat policy: the activations of remat 'full'.
+  remat = "full" if s.release else s.remat
+
+  behaviour = s.behaviour
+  local = counts.local if behaviour.shards_opt_state else P  # Sharded state per device.
+  # stage3.scan_layers (Llama under any remat): the fp32 params become the gradients.
+  full = remat != "none" and s.model == "llama"
+  comp = {"params": pb * (counts.local if behaviour.shards_params else P),
+          "optimizer": moments * sb * local, "update buffer": rule * local,
+          "batch": 4 * b * s.microbatches * (T + 1)}
+  host, streamed = {}, 0
+  if s.offload:  # In host memory, streamed to the device for the update (zerojax.offload):
+    host = {k: comp.pop(k) for k in ("optimizer", "update buffer")}
+    # one layer's state at a time and the other leaves' (embedding, head) at once when
+    # the update runs layer by layer (leafwise rules); otherwise all of it together.
+    stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
+    moved = max(local - stacked, stacked // L)
+    streamed = (moments * sb + rule) * moved
+  state = sum(comp.values())
+  # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
+  # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; remat 'none'
+  # keeps a second copy). Otherwise the scan's layer gradients come out stacked in
+  # the param dtype, then each leaf is upcast and reduced: scattered per microbatch, or
+  # once after the whole-gradient accumulation (scattered or all-reduced).
+  in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
+  layer_grads = 0 if in_gather else pb * counts.layers
+  if s.release:  # The non-layer shards and one layer's, each in fp32 and its gradient.
+    grads = gb * 2 * (counts.local - counts.local_layers + counts.local_layers // L)
+  elif in_gather:
+    grads = gb * (counts.local if full else counts.local + counts.local_layers)
+  elif behaviour.grad_reduction == "psum_scatter_per_microbatch":
+    grads = gb * (counts.local + counts.largest)
+  else:  # Whole fp32 gradients, and the fp32 params they are taken against.
+    grads = gb * (P + (other if full else P))
+  # Release's microbatches (optimizer accumulation) fold into the moments: no accumulator.
+  accum = ab * (counts.local if behaviour.shards_grads else P) if (
+      s.microbatches > 1 and not s.release) else 0
+
+  acts = activations(s, counts, remat)  # One microbatch's.
+  host["saved activations"] = acts.pop("saved activations (host)")
+  if behaviour.shards_params:
+    # One layer gathered: in fp32 by XLA:CPU; by a GPU in the param dtype, two at the normal
+    # step's peak (its pipelined gather), one at release's (XLA's GPU buffer assignment).
+    gathered = counts.layers // L * (
+        pb * (1 if s.release else 2) if zerojax_gpu.backend() == "gpu" else 4)
+    # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
+    vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0
+  else:
+    gathered = vocab_gathered = head_grad = 0
+    copies = pb * V * D  # XLA:CPU copies the embedding (stages 0-2).
+  temps = {"layer gradients": layer_grads, "gradients": grads, "accumulator": accum,
+           "saved activations": acts["saved activations"], "working set": acts["working set"],
+           "gathered layer": gathered, "gathered head": vocab_gathered, "head gradient": head_grad,
+           "loss chunk": acts["loss chunk"], "embedding copy": copies, "streamed state": streamed}
+  # The temporaries alive together in each phase of the step; the peak is the largest.
+  # Gradients reduced in the gathers live through the backward; others appear at its end.
+  during = ["layer gradients", "gradients", "accumulator", "saved activations",
+            "gathered head", "embedding copy"]
+  parts = {"layer backward": during + ["working set", "gathered layer"],
+           "loss backward": during + ["loss chunk", "head gradient"]}
+  if not in_gather:  # Activations are gone; the fp32 gradients are made and reduced.
+    parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
+    parts["end of backward"] = ["gradients", "accumulator", "embedding copy"]
+  if s.offload:  # The update: the gradients and the state streamed in.
+    parts["update"] = ["gradients", "accumulator", "streamed state"]
+  comp.update(temps)
+  comp = {k: int(v) for k, v in comp.items() if v}
+  parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
+  return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory),
+                  {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, remat))
