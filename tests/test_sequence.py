@@ -119,8 +119,9 @@ def test_all_to_all_bytes_per_layer_are_the_formula(remat, kv_heads):
 def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_exactly(
     tmp_path):
   """train.py (this process: `zerojax.train.main`), one sequence of 8192 tokens a step
-  over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls, and 2 steps, a stop, 2 more = 4 straight
-  (every step's metrics, and the last checkpoint bit for bit)."""
+  over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls,
+  and 2 steps, a stop, 2 more = 4 straight (every step's metrics, and the last
+  checkpoint bit for bit)."""
   from test_train import checkpoint_leaves, step_records  # pylint: disable=import-outside-toplevel
   common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
       "mesh.sequence_parallel=True", "model.n_heads=8", "model.n_layers=1", "model.d_model=32",
