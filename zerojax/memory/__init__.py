@@ -45,7 +45,7 @@ device's bytes to the host's (`Estimate.host`: per device, and per node of
 `DEVICES_PER_NODE`); the device holds, during the update, the gradients and the state
 streamed in (one layer's, or the embedding's and head's, whichever is more; all of it
 for an update that is not leafwise). Not checked against a compiler: XLA:CPU has no
-separate host memory space to report (`zerojax.offload`).
+separate host memory space to report (`zerojax.streaming`).
 
 With sequence parallelism (`mesh.sequence_parallel`) a device holds T / fsdp positions of
 each of its examples (batch / data of them) for the saved activations, the MLP and the

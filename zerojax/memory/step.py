@@ -112,7 +112,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
   host, streamed = {}, 0
-  if s.offload:  # In host memory, streamed to the device for the update (zerojax.offload):
+  if s.offload:  # In host memory, streamed to the device for the update (zerojax.streaming):
     host = {k: comp.pop(k) for k in ("optimizer", "update buffer")}
     # one layer's state at a time and the other leaves' (embedding, head) at once when
     # the update runs layer by layer (leafwise rules); otherwise all of it together.
