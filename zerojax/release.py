@@ -286,8 +286,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       ct, p, s, skipped, grad_sq, update_sq, state = carry
       if ahead_of:
         ahead, s = streaming.read_ahead(s, lambda s: state_at(s, jnp.maximum(i - 1, 0)))
-      else:
-        state = ahead = views.state(s, i)
+      else:  # Nothing carried: each trip slices its own layer's state.
+        state, ahead = views.state(s, i), None
       layer_p = views.params(p, i)
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
@@ -306,7 +306,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
 
     zero_sq = jnp.zeros((), jnp.float32)
     s = views.state_rows(opt_state)
-    first = state_at(s, depth - 1) if ahead_of else views.state(s, depth - 1)
+    first = state_at(s, depth - 1) if ahead_of else None
     ct, p, s, skipped, grad_sq, update_sq, _ = streaming.backward_layers(body, (
         ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first),
         inputs, depth, parts.offload)
