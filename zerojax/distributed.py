@@ -360,3 +360,37 @@ def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | N
   peers.start(setup.process_id, _split_address(setup.coordinator_address)[0],
               setup.num_processes)
   return setup
+
+
+def meet(name: str, timeout: float) -> None:
+  """Waits until every process has reached `meet(name)` (no-op in one process).
+
+  Why: the first collective over a set of devices creates its gloo context (CPU) or NCCL
+  communicator, and gloo waits a fixed 30 s for every process to arrive (XLA does not
+  expose the timeout). Processes that compile on a loaded host drift apart by more than
+  that, so they meet at the coordination service first, whose wait is ours to set.
+
+  Args:
+    name: unique in the run: the coordination service's barrier id.
+    timeout: seconds to wait (`distributed.initialization_timeout`); then JAX raises.
+  """
+  if jax.process_count() > 1:
+    client = jax_internals.distributed_client()
+    client.wait_at_barrier(f"zerojax:{name}", int(timeout * 1000))
+
+
+def together(fn: Any, name: str, timeout: float) -> Any:
+  """`fn` (jitted), compiled on its first call, run only once every process has compiled
+  it (`meet`); later calls run that executable (the same shapes and shardings)."""
+  if jax.process_count() == 1:
+    return fn
+  compiled = None
+
+  def call(*args):
+    nonlocal compiled
+    if compiled is None:
+      compiled = fn.lower(*args).compile()
+      meet(name, timeout)
+    return compiled(*args)
+
+  return call

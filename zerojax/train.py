@@ -288,7 +288,9 @@ def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog) -> i
   run_meta = {"config": c.to_dict()}
   start = int(state.step)  # The data position: batches are a pure function of the step.
   stop = preemption.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
-  eval_step = zerojax.make_eval_step(run.built.plan, model.loss)
+  meet_timeout = c.distributed.initialization_timeout
+  eval_step = distributed.together(zerojax.make_eval_step(run.built.plan, model.loss),
+                                   "eval step", meet_timeout)
   rows = data.process_rows(t.global_batch_size)
 
   def batch(source, step, seed):
@@ -339,6 +341,7 @@ def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog) -> i
   previous = None
   report.start_bar(t.steps)
   saved = False  # The first save's start-up is not timed.
+  distributed.meet("train step", meet_timeout)  # Compiled in setup, not yet run.
   for step in range(start + 1, t.steps + 1):
     dog.mark(f"step {step} (data, dispatch, or waiting on the device)", step=True)
     watchdog.test_stall(jax.process_index(), step)
