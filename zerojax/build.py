@@ -67,6 +67,7 @@ def build(config, devices=None) -> Built:
                            tx, logical_axes=model.logical_axes(),
                            min_shard_size=c.zero.min_shard_size,
                            offload=c.optimizer.offload == "host",
+                           param_offload=c.zero.param_offload == "host",
                            sequence_axes=("fsdp",) if c.mesh.sequence_parallel else ())
   if c.optimizer.release:
     train_step = make_release_step(
@@ -90,11 +91,12 @@ def build(config, devices=None) -> Built:
 
 def check_offload(config, device) -> None:
   """ConfigError (exit 2) for an offload to host memory (`optimizer.offload`,
-  `model.activation_offload`) on a `device` that cannot address pinned host memory
-  (validate.py's checks run before JAX is started; this one needs it)."""
+  `zero.param_offload`, `model.activation_offload`) on a `device` that cannot address
+  pinned host memory (validate.py's checks run before JAX is started; this one needs it)."""
   from zerojax import streaming  # pylint: disable=import-outside-toplevel
   from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
   for key, value in (("optimizer.offload", config.optimizer.offload),
+                     ("zero.param_offload", config.zero.get("param_offload")),
                      ("model.activation_offload", config.model.get("activation_offload"))):
     if value == "host" and not streaming.has_host_memory(device):
       kinds = ", ".join(streaming.memory_kinds(device)) or "none"
@@ -120,7 +122,8 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
       compiler_options=options)
   mem = compiled.memory_analysis()
   arguments, host = mem.argument_size_in_bytes, mem.host_argument_size_in_bytes
-  if built.plan.offload and not host:  # XLA:CPU: host parameters counted as arguments.
+  # XLA:CPU counts host parameters among the arguments.
+  if (built.plan.offload or built.plan.param_offload) and not host:
     from zerojax import streaming  # pylint: disable=import-outside-toplevel
     host = streaming.host_parameter_bytes(compiled.as_text())
     arguments -= host

@@ -104,11 +104,8 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
                   clipping: str = "none",
                   loss_scaling: precision.LossScaling = precision.NO_SCALING) -> int:
   """Raises ValueError for what release cannot do (yet); returns the stack's depth."""
-  if plan.behaviour.stage != 3:
-    raise ValueError(
-        f"gradient release runs at ZeRO stage 3 over more than one shard; this plan "
-        f"runs stage {plan.behaviour.stage} (configured {plan.stage}, "
-        f"{plan.num_shards} shard(s))")
+  if plan.stage != 3:  # One shard is fine: nothing is gathered, every leaf is psummed.
+    raise ValueError(f"gradient release runs at ZeRO stage 3; this plan is stage {plan.stage}")
   if accumulation not in ACCUMULATION or clipping not in CLIPPING:
     raise ValueError(f"gradient release: accumulation={accumulation!r} (one of "
                      f"{ACCUMULATION}), clipping={clipping!r} (one of {CLIPPING})")
@@ -166,7 +163,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   """Returns the jitted `step(state, batch) -> (state, metrics)` with gradient release.
 
   Args:
-    plan: a stage-3 plan over more than one shard.
+    plan: a stage-3 plan (one shard too: then nothing is gathered).
     parts: the model's loss cut at its layer loop (e.g. `MlpLM.layered()`).
     tx: a leafwise optimizer (`optim.adamw`, `optim.lion`, `optim.sgd`); wrapped in
       `optim.carry_grad_norm` for clipping 'previous_norm'.

@@ -91,6 +91,9 @@ _ROWS = (
     # zero
     Field("zero.stage", 3, "0: plain data parallel, 1: +optimizer state sharded, 2: +gradients, "
           "3: +params.", choices=(0, 1, 2, 3)),
+    Field("zero.param_offload", "none", "'host' (stage 3): the layer-stacked parameter shards "
+          "live in pinned host memory; each layer comes to the device one layer ahead of its "
+          "use (with release, its update goes straight back).", choices=("none", "host")),
     Field("zero.min_shard_size", 4096, "Leaves with fewer elements stay replicated (DeepSpeed's "
           "persistence threshold).", range=NON_NEGATIVE),
     # precision

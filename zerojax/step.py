@@ -62,11 +62,12 @@ class TrainState(NamedTuple):
 
 
 def state_shardings(plan: zero.ZeroPlan) -> TrainState:
-  """The NamedSharding of every leaf of the train state (offloaded optimizer state in
-  host memory: `plan.opt_shardings`)."""
+  """The NamedSharding of every leaf of the train state (offloaded params and optimizer
+  state in host memory: `plan.param_shardings`, `plan.opt_shardings`)."""
   scalars = jax.tree.map(lambda _: P(), jax.eval_shape(precision.init_loss_scale))
-  return plan.shardings(TrainState(step=P(), params=plan.param_specs, opt_state=(),
+  return plan.shardings(TrainState(step=P(), params=(), opt_state=(),
                                    rng=P(), loss_scale=scalars))._replace(
+                                       params=plan.param_shardings,
                                        opt_state=plan.opt_shardings)
 
 

@@ -317,8 +317,6 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: 
       ("zero.stage", config.zero.stage != 3,
        f"zero.stage={config.zero.stage}: release updates stage-3 shards",
        [{"zero.stage": 3}], ""),
-      ("mesh.fsdp", fsdp == 1, "mesh.fsdp=1: with one shard stage 3 runs as stage 0",
-       [{"mesh.data": 1, "mesh.fsdp": -1}], "every device a ZeRO shard"),
       ("train.microbatches", config.train.microbatches != 1 and not accumulate,
        f"train.microbatches={config.train.microbatches} and "
        f"optimizer.release_accumulation={o.release_accumulation!r}: there is no gradient "
@@ -406,5 +404,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       source=source_of(source, "model.activation_offload", "model.remat"),
                       fix="use model.remat='full' (or a named policy), or "
                           "model.activation_offload='none'")
+  if config.zero.param_offload != "none" and config.zero.stage != 3:
+    raise ConfigError(f"streams stage 3's layer shards; zero.stage={config.zero.stage} keeps "
+                      "whole params on every device.", key="zero.param_offload",
+                      source=source_of(source, "zero.param_offload", "zero.stage"),
+                      fix="use zero.stage=3, or zero.param_offload='none'")
   _check_mlp_chunk(config, fsdp, source)
   _check_release(config, fsdp, source, num_devices, check_fixes)

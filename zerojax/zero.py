@@ -147,6 +147,9 @@ class ZeroPlan:
       streams them to the device and back (`zerojax.streaming`). Scalars (counts) stay.
     sequence_axes: data axes each sequence is split over by position (sequence
       parallelism, `zerojax.sequence`); the examples are split over the others.
+    param_offload: at stage 3, the layer-stacked parameter shards live in host memory
+      (`param_shardings`); the step brings each layer to the device where it is used
+      (`zerojax.streaming`). The other params (embedding, head, norms) stay.
   """
   mesh: Mesh
   stage: int
@@ -159,6 +162,7 @@ class ZeroPlan:
   opt_dims: PyTree
   offload: bool = False
   sequence_axes: tuple[str, ...] = ()
+  param_offload: bool = False
 
   @property
   def num_shards(self) -> int:
@@ -243,6 +247,18 @@ class ZeroPlan:
         self.shardings(self.opt_specs), self.opt_offloaded)
 
   @property
+  def param_offloaded(self) -> PyTree:
+    """Per parameter leaf: True if it lives in host memory (see `param_offload`)."""
+    return jax.tree.map(lambda m: m and self.param_offload, self.per_layer)
+
+  @property
+  def param_shardings(self) -> PyTree:
+    """NamedShardings of the stored params: the one place their memory kind is set."""
+    return jax.tree.map(
+        lambda s, host: s.with_memory_kind(HOST_MEMORY) if host else s,
+        self.shardings(self.param_specs), self.param_offloaded)
+
+  @property
   def opt_per_layer(self) -> PyTree:
     """Per optimizer-state leaf: True if it mirrors a layer-stacked param leaf."""
     return self.opt_like(self.per_layer, False)
@@ -283,7 +299,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               min_shard_size: int = 4096,
               shard_axes: tuple[str, ...] = ("fsdp",),
               offload: bool = False,
-              sequence_axes: tuple[str, ...] = ()) -> ZeroPlan:
+              sequence_axes: tuple[str, ...] = (),
+              param_offload: bool = False) -> ZeroPlan:
   """Plans the sharding of a parameter pytree and its optimizer state.
 
   Args:
@@ -301,6 +318,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     offload: keep the optimizer state's param-shaped leaves in host memory.
     sequence_axes: mesh axes to split each sequence over (sequence parallelism;
       `zerojax.sequence`); the batch's examples are split over the other axes.
+    param_offload: keep the layer-stacked params in host memory (stage 3 only).
 
   Returns:
     The `ZeroPlan`.
@@ -310,6 +328,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+  if param_offload and stage != 3:
+    raise ValueError(f"parameter offload streams stage 3's layers; this is stage {stage}")
   unknown = set(shard_axes) - set(mesh.axis_names)
   if unknown:
     raise ValueError(f"shard axes {sorted(unknown)} are not mesh axes {mesh.axis_names}")
@@ -355,7 +375,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
                   data_axes=data_axes, params=abstract(params),
                   opt_state=abstract(opt_state), param_dims=param_dims,
                   per_layer=per_layer, opt_dims=opt_dims, offload=offload,
-                  sequence_axes=tuple(sequence_axes))
+                  sequence_axes=tuple(sequence_axes), param_offload=param_offload)
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:
