@@ -25,6 +25,7 @@ from rich import console as rich_console, progress, progress_bar, table
 # not listed reports no MFU unless `train.peak_flops` is set.
 PEAK_FLOPS = {
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
+    "RTX 4090": 165.2e12,  # bf16 with fp32 accumulation (Ada whitepaper; 330 with fp16's).
     "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12,
 }
 

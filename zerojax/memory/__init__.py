@@ -65,6 +65,8 @@ Modules: `spec` (what is read of a config: `RunSpec`, parameter counts), `activa
 the peak, attributed to the estimate's components).
 """
 
+from zerojax.memory import bus
+from zerojax.memory.bus import Bus
 from zerojax.memory.compiled import attribute
 from zerojax.memory.search import (
   Suggestion,
@@ -73,9 +75,9 @@ from zerojax.memory.search import (
   sequence_unit,
   suggestions,
 )
-from zerojax.memory.spec import DTYPE_BYTES, Counts, RunSpec, param_counts
-from zerojax.memory.step import DEVICES_PER_NODE, Estimate, estimate
+from zerojax.memory.spec import DEVICES_PER_NODE, DTYPE_BYTES, Counts, RunSpec, param_counts
+from zerojax.memory.step import Estimate, estimate
 
-__all__ = ["DEVICES_PER_NODE", "DTYPE_BYTES", "Counts", "Estimate", "RunSpec", "Suggestion",
-           "attribute", "estimate", "fewest_devices", "longest_sequence", "param_counts",
-           "sequence_unit", "suggestions"]
+__all__ = ["DEVICES_PER_NODE", "DTYPE_BYTES", "Bus", "Counts", "Estimate", "RunSpec",
+           "Suggestion", "attribute", "bus", "estimate", "fewest_devices", "longest_sequence",
+           "param_counts", "sequence_unit", "suggestions"]

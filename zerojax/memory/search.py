@@ -47,13 +47,11 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   order = _REMAT_ORDER if s.remat in _REMAT_ORDER else (s.remat, "full")
   kinds.append([(f"remat {r}", (f"model.remat={r}",), dict(remat=r))
                 for r in order[order.index(s.remat) + 1:]])
-  # What `validate._check_release` accepts: stage 3 over more than one shard, no float16;
-  # several microbatches with optimizer accumulation.
-  if (not s.release and s.behaviour.stage == 3
-      and "float16" not in (s.param_dtype, s.compute_dtype)):
-    kinds.append([("gradient release (stage 3, no global-norm clipping)",
-                   ("optimizer.release=True", "optimizer.grad_clip=0", *_ACCUMULATE * (
-                       s.microbatches > 1)), dict(release=True))])
+  release = () if s.release else ("optimizer.release=True", "optimizer.grad_clip=0",
+                                   *_ACCUMULATE * (s.microbatches > 1))
+  if not s.release and _releases(s):
+    kinds.append([("gradient release (stage 3, no global-norm clipping)", release,
+                   dict(release=True))])
   kinds.append([(f"{s.microbatches * k} microbatches of {s.batch // k} sequence(s) per device",
                  (f"train.microbatches={s.microbatches * k}",),
                  dict(microbatches=s.microbatches * k, batch=s.batch // k))
@@ -61,25 +59,51 @@ def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   if not s.offload:
     kinds.append([("optimizer state offloaded to host memory", ("optimizer.offload=host",),
                    dict(offload=True))])
+  # Param offload saves device bytes only with release (without, the step brings the whole
+  # shard in): the two together.
+  if not s.param_offload and (s.release or _releases(s)):
+    kinds.append([("parameters offloaded to host memory (with gradient release)",
+                   ("zero.param_offload=host", *release),
+                   dict(param_offload=True, release=True))])
   if s.optimizer == "adamw":
     kinds.append([("Lion instead of AdamW (one moment)", ("optimizer.name=lion",),
                    dict(optimizer="lion"))])
   return [k for k in kinds if k]
 
 
+def _releases(s: RunSpec) -> bool:
+  """What `validate._check_release` accepts: stage 3 (over any number of shards, one
+  included), no float16; several microbatches with optimizer accumulation (adamw, lion)."""
+  return (s.stage == 3 and "float16" not in (s.param_dtype, s.compute_dtype)
+          and (s.microbatches == 1 or s.optimizer != "sgd"))
+
+
+def _fewer_offloads(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
+  """When the host memory is short: each offload undone, the one holding most first."""
+  kinds = [(s.activation_offload, "activations kept on the device (no activation offload)",
+            "model.activation_offload=none", dict(activation_offload=False)),
+           (s.param_offload, "parameters kept on the device (no param offload)",
+            "zero.param_offload=none", dict(param_offload=False)),
+           (s.offload, "optimizer state kept on the device (no optimizer offload)",
+            "optimizer.offload=none", dict(offload=False))]
+  return [[(change, (override,), fields)] for on, change, override, fields in kinds if on]
+
+
 def fewest_devices(config, devices: int | None = None, device_memory: int = 0,
-                   limit: int = 4096) -> Estimate | None:
-  """The fewest devices of `device_memory` on which the step fits, at the same per-device
-  batch and `mesh.data` (the ZeRO shards grow); None if none up to `limit` does."""
+                   limit: int = 4096, host_memory: int = 0) -> Estimate | None:
+  """The fewest devices of `device_memory` on which the step fits (and its host bytes in
+  `host_memory` per node), at the same per-device batch and `mesh.data` (the ZeRO shards
+  grow); None if none up to `limit` does."""
   s = _as_setup(config, devices)
+  fit = dict(device_memory=device_memory, host_memory=host_memory)
   top = 1 << (limit // s.data).bit_length() - 1  # The most divisible count: if even it
   sizes = [k for k in range(1, top + 1) if _splits(s, k)]
   if s.sequence_parallel:  # The most divisible count the sequence splits over.
     top = max(sizes)
-  if not estimate(dataclasses.replace(s, fsdp=top), device_memory=device_memory).fits:
+  if not estimate(dataclasses.replace(s, fsdp=top), **fit).fits:
     return None  # does not fit, none does (indivisible leaves stay whole).
   for fsdp in sizes:
-    e = estimate(dataclasses.replace(s, fsdp=fsdp), device_memory=device_memory)
+    e = estimate(dataclasses.replace(s, fsdp=fsdp), **fit)
     if e.fits:
       return e
   return None
@@ -93,21 +117,25 @@ def _splits(s: RunSpec, fsdp: int) -> bool:
                                      and (K % fsdp == 0 or fsdp % K == 0))
 
 
-def suggestions(config, devices: int | None = None,
-                device_memory: int = 0) -> list[Suggestion]:
-  """Changes that make the step fit in `device_memory`, ranked cheapest first.
+def suggestions(config, devices: int | None = None, device_memory: int = 0,
+                host_memory: int = 0) -> list[Suggestion]:
+  """Changes that make the step fit in `device_memory` (and, given, its host bytes in
+  `host_memory` per node), ranked cheapest first.
 
-  Each kind of change (see `_changes`) at its mildest level that fits; if none fits
-  alone, the kinds applied together, cheapest first, until it fits; last, the fewest
-  devices of this size that fit the unchanged config.
+  Each kind of change (see `_changes`; with the host memory short, first each offload
+  undone) at its mildest level that fits; if none fits alone, the kinds applied
+  together, cheapest first, until it fits; last, the fewest devices of this size that
+  fit the unchanged config.
   """
   s = _as_setup(config, devices)
-  if estimate(s, device_memory=device_memory).fits or not device_memory:
+  fit = dict(device_memory=device_memory, host_memory=host_memory)
+  now = estimate(s, **fit)
+  if now.fits or not device_memory:
     return []
-  out, kinds = [], _changes(s)
+  out, kinds = [], (_fewer_offloads(s) if not now.fits_host else []) + _changes(s)
   for levels in kinds:
     for change, overrides, fields in levels:
-      e = estimate(dataclasses.replace(s, **fields), device_memory=device_memory)
+      e = estimate(dataclasses.replace(s, **fields), **fit)
       if e.fits:
         out.append(Suggestion(change, overrides, e))
         break
@@ -117,7 +145,7 @@ def suggestions(config, devices: int | None = None,
     if fields.get("release") and "microbatches" in f and _ACCUMULATE[0] not in overrides:
       more = (*more, *_ACCUMULATE)  # Release's microbatches: optimizer accumulation.
     changes, overrides, fields = changes + [change], overrides + more, {**fields, **f}
-    e = estimate(dataclasses.replace(s, **fields), device_memory=device_memory)
+    e = estimate(dataclasses.replace(s, **fields), **fit)
     if e.fits and not out:
       out.append(Suggestion(" + ".join(changes), overrides, e))
       break
@@ -125,7 +153,7 @@ def suggestions(config, devices: int | None = None,
   tries = [(s, (), "")] + ([] if out else [(dataclasses.replace(s, **fields), overrides,
                                             " with " + " + ".join(changes))])
   for base, more, text in tries:
-    e = fewest_devices(base, device_memory=device_memory)
+    e = fewest_devices(base, **fit)
     if e is not None:
       batch = e.setup.batch * e.setup.example_shards * e.setup.microbatches
       out.append(Suggestion(f"{e.setup.devices} devices of this size (same per-device batch)"
@@ -147,13 +175,14 @@ def sequence_unit(s: RunSpec) -> int:
 
 
 def longest_sequence(config, devices: int | None = None, device_memory: int = 0,
-                     limit: int = 1 << 26) -> Estimate | None:
+                     limit: int = 1 << 26, host_memory: int = 0) -> Estimate | None:
   """The estimate at the longest `train.seq_len` (a multiple of `sequence_unit`, at most
   `limit`) whose step fits in `device_memory`, at the same batch; None if even one unit
   does not. Given a config (not a `RunSpec`), the length is one it validates with."""
   s = _as_setup(config, devices)
   unit = sequence_unit(s)
-  at = lambda k: estimate(dataclasses.replace(s, seq_len=k * unit), device_memory=device_memory)
+  at = lambda k: estimate(dataclasses.replace(s, seq_len=k * unit), device_memory=device_memory,
+                          host_memory=host_memory)
   if not device_memory or not at(1).fits:
     return None
   lo, hi = 1, 2  # Every term grows with the length: double, then bisect (lo fits, hi not).

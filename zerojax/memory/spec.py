@@ -9,6 +9,9 @@ from zerojax import models
 from zerojax.zero import StageBehaviour, local_shape, shard_dim
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Devices one node holds, for host memory per node when no target says (the common 8-GPU
+# node; a run on fewer devices is counted as one node).
+DEVICES_PER_NODE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,11 @@ class RunSpec:
   mlp_chunk: int = 0  # Positions the MLP runs at a time (model.mlp_chunk; 0: all).
   # The saved residuals in host memory (model.activation_offload='host').
   activation_offload: bool = False
+  # The layer-stacked parameter shards in host memory (zero.param_offload='host', stage 3).
+  param_offload: bool = False
+  # Devices a host (node) holds, for host memory per node: a --target's per-host count;
+  # 0: all the run's devices, in nodes of at most `DEVICES_PER_NODE` (the common 8-GPU node).
+  per_host: int = 0
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -77,11 +85,17 @@ class RunSpec:
         offload=o.offload == "host", sequence_parallel=sp,
         # Keys newer than some configs: read with their defaults.
         mlp_chunk=int(m.get("mlp_chunk", 0)),
-        activation_offload=m.get("activation_offload", "none") == "host")
+        activation_offload=m.get("activation_offload", "none") == "host",
+        param_offload=config.zero.get("param_offload", "none") == "host")
 
   @property
   def devices(self) -> int:
     return self.data * self.fsdp
+
+  @property
+  def per_node(self) -> int:
+    """Devices of this run on one host: `per_host`, else `DEVICES_PER_NODE`; at most all."""
+    return min(self.per_host or DEVICES_PER_NODE, self.devices)
 
   @property
   def example_shards(self) -> int:

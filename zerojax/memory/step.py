@@ -5,11 +5,14 @@ import dataclasses
 
 from zerojax import gpu as zerojax_gpu
 from zerojax.memory.activations import activations, all_to_all_bytes
-from zerojax.memory.spec import DTYPE_BYTES, RunSpec, _as_setup, param_counts
+from zerojax.memory.bus import traffic
+from zerojax.memory.spec import DEVICES_PER_NODE, DTYPE_BYTES, RunSpec, _as_setup, param_counts
 
-# Devices one node holds, for host memory per node (the common 8-GPU node; a run on
-# fewer devices is counted as one node).
-DEVICES_PER_NODE = 8
+__all__ = ["DEVICES_PER_NODE", "Estimate", "estimate"]
+
+# Layers of parameter shards on the device with param offload and release: the layer in
+# use, the next one arriving from host memory, the updated one being written back.
+PARAM_OFFLOAD_LAYERS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,10 +29,11 @@ class Estimate:
     state: per-device bytes of the train state and the batch (the step's arguments)
       in device memory.
     device_memory: bytes per device to fit in (0: not given).
-    host: name -> per-device bytes kept in host memory (optimizer state, saved
+    host: name -> per-device bytes kept in host memory (params, optimizer state, saved
       activations: offload).
     all_to_all: bytes one device puts into sequence parallelism's all-to-alls per layer
       and step (0 without it).
+    host_memory: bytes of host memory per node to fit in (0: not given).
   """
   setup: RunSpec
   params: int
@@ -40,6 +44,7 @@ class Estimate:
   device_memory: int = 0
   host: dict = dataclasses.field(default_factory=dict)
   all_to_all: int = 0
+  host_memory: int = 0
 
   @property
   def phases(self) -> dict:
@@ -70,24 +75,41 @@ class Estimate:
 
   @property
   def host_per_node(self) -> int:
-    """Host bytes of the devices of one node: `DEVICES_PER_NODE` (or all, if fewer)."""
-    return self.host_total * min(self.setup.devices, DEVICES_PER_NODE)
+    """Host bytes of the devices of one node (`RunSpec.per_node` of them)."""
+    return self.host_total * self.setup.per_node
+
+  @property
+  def pcie(self) -> dict:
+    """Offload name -> (host-to-device, device-to-host) bytes per device per optimizer
+    step over the host link (`bus.traffic`)."""
+    return traffic(self.setup, self.host)
 
   @property
   def peak_phase(self) -> str:
     return max(self.phases, key=self.phases.get)
 
   @property
-  def fits(self) -> bool:
+  def fits_device(self) -> bool:
     return bool(self.device_memory) and self.total <= self.device_memory
+
+  @property
+  def fits_host(self) -> bool:
+    """Within the host memory per node (True when none is given)."""
+    return not self.host_memory or self.host_per_node <= self.host_memory
+
+  @property
+  def fits(self) -> bool:
+    return self.fits_device and self.fits_host
 
   @property
   def headroom(self) -> int:
     return self.device_memory - self.total
 
 
-def estimate(config, devices: int | None = None, device_memory: int = 0) -> Estimate:
-  """Per-device memory of the train step of `config` (a config or a `RunSpec`) on `devices`."""
+def estimate(config, devices: int | None = None, device_memory: int = 0,
+             host_memory: int = 0) -> Estimate:
+  """Per-device memory of the train step of `config` (a config or a `RunSpec`) on `devices`,
+  judged against `device_memory` per device and `host_memory` per node (0: not judged)."""
   s = _as_setup(config, devices)
   counts = param_counts(s)
   P = counts.total
@@ -112,8 +134,16 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
           "optimizer": moments * sb * local, "update buffer": rule * local,
           "batch": 4 * b * s.microbatches * (T + 1)}
   host, streamed = {}, 0
+  if s.param_offload:  # The layer-stacked shards live in host memory (zero.param_offload).
+    stack = pb * (counts.local_layers if behaviour.shards_params else counts.layers)
+    host["params"] = stack
+    if s.release:  # Streamed a layer ahead, each updated layer written straight back:
+      # `PARAM_OFFLOAD_LAYERS` layers' shards on the device (an assumption, not compiled).
+      comp["params"] -= stack - stack * min(PARAM_OFFLOAD_LAYERS, L) // L
+    # Without release the step brings the whole shard to the device (it differentiates an
+    # fp32 copy of it anyway): host memory between steps, no device bytes saved.
   if s.offload:  # In host memory, streamed to the device for the update (zerojax.streaming):
-    host = {k: comp.pop(k) for k in ("optimizer", "update buffer")}
+    host.update({k: comp.pop(k) for k in ("optimizer", "update buffer")})
     # one layer's state at a time and the other leaves' (embedding, head) at once when
     # the update runs layer by layer (leafwise rules); otherwise all of it together.
     stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
@@ -126,7 +156,10 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   # the param dtype, then each leaf is upcast and reduced: scattered per microbatch, or
   # once after the whole-gradient accumulation (scattered or all-reduced).
   in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
-  layer_grads = 0 if in_gather else pb * counts.layers
+  # Release (also on one shard, where nothing is gathered) updates each layer in its
+  # backward: no stacked layer gradients, its gradients live through the backward.
+  through = in_gather or s.release
+  layer_grads = 0 if through else pb * counts.layers
   if s.release:  # The non-layer shards and one layer's, each in fp32 and its gradient.
     grads = gb * 2 * (counts.local - counts.local_layers + counts.local_layers // L)
   elif in_gather:
@@ -161,7 +194,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
             "gathered head", "embedding copy"]
   parts = {"layer backward": during + ["working set", "gathered layer"],
            "loss backward": during + ["loss chunk", "head gradient"]}
-  if not in_gather:  # Activations are gone; the fp32 gradients are made and reduced.
+  if not through:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
     parts["end of backward"] = ["gradients", "accumulator", "embedding copy"]
   if s.offload:  # The update: the gradients and the state streamed in.
@@ -170,4 +203,5 @@ def estimate(config, devices: int | None = None, device_memory: int = 0) -> Esti
   comp = {k: int(v) for k, v in comp.items() if v}
   parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
   return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory),
-                  {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, remat))
+                  {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, remat),
+                  int(host_memory))
