@@ -4,6 +4,8 @@
     python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
         [--compile] [--json] [--config.a.b=value ...]
     python -m zerojax.memory --config configs/70b_8x80gb.py --target h100:8 --compile
+    python -m zerojax.memory --config configs/70b_8x80gb.py --target rtx4090:8 \
+        --host-memory 1TiB --config.zero.param_offload=host --config.optimizer.offload=host
     python -m zerojax.memory --config configs/8b_bf16.py --target h100:8 --longest-sequence \
         --config.mesh.sequence_parallel=True --config.mesh.data=1 \
         --config.train.global_batch_size=1 [--compile]
@@ -12,8 +14,13 @@
 allocator has on it as train.py runs, and `--compile` compiles with XLA's GPU compiler
 for it (no GPU needed: the `gpu-compile` extra) instead of XLA:CPU on fake devices.
 
-Exit status: 0 fits (or no device memory known), 1 does not fit, 2 bad config. With
---target --compile the compiled bytes decide.
+With offload (`zero.param_offload`, `optimizer.offload`, `model.activation_offload`) it
+gives the host bytes per device and per node (`--host-memory` judges them) and the bytes
+moved over the host link per step, timed at the target's link (`zerojax.gpu.host_link`)
+or `--host-bandwidth` beside the step's compute at `--mfu` (`zerojax.memory.bus`).
+
+Exit status: 0 fits (or no device memory known), 1 does not fit (device or host memory),
+2 bad config. With --target --compile the compiled bytes decide the device's verdict.
 """
 
 import dataclasses
@@ -35,6 +42,7 @@ from zerojax.memory import (
   sequence_unit,
   suggestions,
 )
+from zerojax.memory_host_report import host_lines, host_link
 from zerojax.units import fmt_bytes, parse_bytes
 
 
@@ -58,6 +66,9 @@ def _cpu_without_memory_flags() -> bool:
 def _labels(s: RunSpec) -> dict:
   b = s.behaviour
   shard = lambda on: f", /{s.fsdp}" if on else ""
+  params = ""
+  if s.param_offload:
+    params = "; host stack, 3 layers" if s.release else "; host between steps"
   moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
   grads = {"psum_scatter_in_gather": "local shards",
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
@@ -66,7 +77,8 @@ def _labels(s: RunSpec) -> dict:
     grads = "non-layer + one layer, x2"
   buffer_dtype = "float32" if s.update_rule == "master" else s.param_dtype
   return {
-      "params": f"params ({s.param_dtype}{shard(b.shards_params)})",
+      "params": f"params ({s.param_dtype}{shard(b.shards_params)}{params})",
+      "params (host)": "params (the layer stack's shard)",
       "optimizer": f"optimizer {moments} ({s.state_dtype}{shard(b.shards_opt_state)})",
       "update buffer": f"{s.update_rule} buffer ({buffer_dtype}{shard(b.shards_opt_state)})",
       "layer gradients": f"layer gradients, stacked ({s.param_dtype})",
@@ -103,7 +115,7 @@ def format_sequence(e: Estimate) -> str:
 
 
 def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | None = None,
-                 title: str = "", gpu: bool = False) -> str:
+                 title: str = "", gpu: bool = False, link=None) -> str:
   """The plan as text: conventional bytes/param, per-device components (estimate and,
   if given, compiled), total, verdict."""
   s, c = e.setup, e.conventional
@@ -168,10 +180,13 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
         f"{labels.get(k + ' (host)', labels[k])} {fmt_bytes(v)}" for k, v in e.host.items())
         + f" = {fmt_bytes(e.host_total)} per device, {fmt_bytes(e.host_per_node)} per node "
         f"of {node} device(s)")
+  lines += host_lines(e, link)
   if e.device_memory:
-    lines.append(f"verdict: {'fits' if e.fits else 'does NOT fit'} in "
-                 f"{fmt_bytes(e.device_memory)} per device: {'headroom' if e.fits else 'short by'} "
-                 f"{fmt_bytes(abs(e.headroom))} ({abs(e.headroom) / e.device_memory:.0%})")
+    ok = e.fits_device
+    lines.append(f"verdict: {'fits' if ok else 'does NOT fit'} in "
+                 f"{fmt_bytes(e.device_memory)} per device: {'headroom' if ok else 'short by'} "
+                 f"{fmt_bytes(abs(e.headroom))} ({abs(e.headroom) / e.device_memory:.0%})"
+                 + ("" if e.fits_host else "; the host memory does NOT fit (above)"))
   return "\n".join(lines)
 
 
@@ -212,7 +227,7 @@ def to_dict(e: Estimate) -> dict:
               phases=e.phases, peak_phase=e.peak_phase, state=e.state, total=e.total,
               device_memory=e.device_memory, fits=e.fits, host=e.host,
               host_total=e.host_total, host_per_node=e.host_per_node,
-              all_to_all=e.all_to_all)
+              host_memory=e.host_memory, fits_host=e.fits_host, all_to_all=e.all_to_all)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +253,13 @@ def _main(argv: list[str]) -> int:
   p.add_argument("--longest-sequence", "--longest_sequence", action="store_true",
                  help="plan (and with --compile, compile) at the longest train.seq_len that "
                  "fits in the device memory, at this batch (zerojax.memory.longest_sequence)")
+  p.add_argument("--host-memory", "--host_memory", default="",
+                 help="host memory per node, e.g. 1TiB: offload's host bytes must fit in it")
+  p.add_argument("--host-bandwidth", "--host_bandwidth", default="",
+                 help="bytes per second one direction of the host link moves, e.g. 25GB "
+                 "(default: the --target's, zerojax.gpu.host_link)")
+  p.add_argument("--mfu", type=float, default=0.4,
+                 help="model FLOPs utilization the step's compute time assumes (0.4)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   p.add_argument("--generate", default="", metavar="BATCHxLEN",
                  help="also the KV cache of generating BATCH prompts of LEN tokens in all, "
@@ -247,9 +269,12 @@ def _main(argv: list[str]) -> int:
     raise ConfigError("no config file given.", source="the command line",
                       fix="pass --config path/to/config.py, e.g. --config configs/70b_bf16.py")
   try:
-    device_memory = parse_bytes(args.device_memory) if args.device_memory else 0
+    device_memory, host_memory, bandwidth = (parse_bytes(x) if x else 0 for x in (
+        args.device_memory, args.host_memory, args.host_bandwidth))
   except ValueError as err:
     p.error(str(err))
+  if not 0 < args.mfu <= 1:
+    p.error(f"--mfu {args.mfu:g}: a fraction in (0, 1]")
   spec = None
   if args.target:
     from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
@@ -268,24 +293,30 @@ def _main(argv: list[str]) -> int:
   if spec:
     where = target_budget(config, spec.target)
     device_memory = device_memory or where[0]
+  per_host = dict(per_host=spec.per_host) if spec else {}
+  fit = dict(device_memory=device_memory, host_memory=host_memory)
   with for_target(spec):  # The estimate's kernels are the target's (attention 'auto').
-    e = estimate(config, args.devices, device_memory)
+    e = estimate(dataclasses.replace(RunSpec.from_config(config, args.devices), **per_host),
+                 **fit)
     longest = None
     if args.longest_sequence:
-      longest = longest_sequence_line(config, e, args.devices, device_memory)
+      longest = longest_sequence_line(config, e, args.devices, device_memory, host_memory)
       if longest is None:
         return 1
-      e, config.train.seq_len = longest[0], longest[0].setup.seq_len
+      e = estimate(dataclasses.replace(longest[0].setup, **per_host), **fit)
+      config.train.seq_len = e.setup.seq_len
   compiled = attributed = None
   if args.compile:
     compiled, attributed = compile_and_attribute(config, e, spec)
-  found = suggestions(e.setup, device_memory=device_memory)
+  found = suggestions(e.setup, **fit)
   generation = generation_cache(config, args.devices, args.generate, p.error)
-  fits = e.fits if not (spec and compiled) else (
+  fits = e.fits_device if not (spec and compiled) else (
       compiled["arguments"] + compiled["temporaries"] <= device_memory)
+  link = host_link(e, spec, bandwidth, config.train.peak_flops, args.mfu)
   if args.json:
     print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed,
-                          target=str(spec) if spec else None, fits=fits, generate=generation,
+                          target=str(spec) if spec else None, fits=fits and e.fits_host,
+                          fits_device=fits, pcie=link.to_dict(), generate=generation,
                           suggestions=[dict(change=x.change, overrides=x.overrides,
                                             total=x.estimate.total) for x in found])))
   else:
@@ -293,7 +324,7 @@ def _main(argv: list[str]) -> int:
       print(longest[1])
     at = [f"at train.seq_len={e.setup.seq_len}"] if longest else []
     print(format_table(e, compiled, attributed, title=" ".join([path, *overrides, *at]),
-                       gpu=bool(spec)))
+                       gpu=bool(spec), link=link))
     if spec:
       print(format_target_verdict(spec, where, device_memory, compiled))
     elif compiled:
@@ -305,17 +336,18 @@ def _main(argv: list[str]) -> int:
     text = format_suggestions(e, found)
     if text:
       print(text)
-  return 0 if not device_memory or fits else 1
+  return 0 if (not device_memory or fits) and e.fits_host else 1
 
 
-def longest_sequence_line(config, e: Estimate, devices: int, device_memory: int):
+def longest_sequence_line(config, e: Estimate, devices: int, device_memory: int,
+                          host_memory: int = 0):
   """(the estimate at the longest train.seq_len that fits, a line that says so), or None
   (said on stdout) when none fits or no device memory is given."""
   if not device_memory:
     print("--longest-sequence needs the device memory: --device-memory or --target")
     return None
   unit = sequence_unit(e.setup)
-  found = longest_sequence(config, devices, device_memory)
+  found = longest_sequence(config, devices, device_memory, host_memory=host_memory)
   if found is None:
     print(f"no train.seq_len (a multiple of {unit}) fits in {fmt_bytes(device_memory)} at "
           f"{e.setup.batch} sequence(s) per device")
