@@ -144,6 +144,7 @@ def suggestions(config, devices: int | None = None, device_memory: int = 0,
     change, more, f = levels[-1]
     if fields.get("release") and "microbatches" in f and _ACCUMULATE[0] not in overrides:
       more = (*more, *_ACCUMULATE)  # Release's microbatches: optimizer accumulation.
+    more = tuple(x for x in more if x not in overrides)  # Release's, once.
     changes, overrides, fields = changes + [change], overrides + more, {**fields, **f}
     e = estimate(dataclasses.replace(s, **fields), **fit)
     if e.fits and not out:
