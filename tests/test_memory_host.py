@@ -136,6 +136,7 @@ def test_suggestions_offload_the_params_of_the_70b_on_24gb_cards(capsys):
   assert status == 1 and not plan["fits"]
   found = [x for x in plan["suggestions"] if "parameters offloaded" in x["change"]]
   assert found and "zero.param_offload=host" in found[0]["overrides"]
+  assert all(len(set(x["overrides"])) == len(x["overrides"]) for x in plan["suggestions"])
   assert found[0]["total"] <= targets.budget(targets.load("rtx4090"), 0.95)
 
 

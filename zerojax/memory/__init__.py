@@ -38,7 +38,8 @@ On one H200 (XLA:GPU, jax 0.11.2) the estimate was 1.003 (1B, 8 sequences of 409
 `suggestions(config, devices, device_memory)` re-estimates modified setups (one code
 path) and ranks the changes that make it fit, cheapest first: Kahan instead of fp32
 master weights, a higher stage, bf16 optimizer state, more remat, smaller
-micro-batches, optimizer-state offload, Lion, and the fewest devices of this size that fit.
+micro-batches, optimizer-state offload, param offload with release, Lion, and the fewest
+devices of this size that fit (with the host memory short: each offload undone first).
 
 With `optimizer.offload='host'` the moments and Kahan / master buffers move from the
 device's bytes to the host's (`Estimate.host`: per device, and per node of
@@ -59,10 +60,19 @@ longest `train.seq_len` (a multiple of `sequence_unit`) that fits. Calibrated ag
 XLA:CPU and XLA's GPU compiler on the 8B and 70B configs and the tiny Llama (WORKSPACE,
 "Long context (issue 24)").
 
+With `zero.param_offload='host'` (stage 3) the layer-stack's param shards are host bytes
+(`Estimate.host['params']`); with gradient release the device keeps 3 layers' shards of
+it (in use, arriving, written back), without release all of it (the step brings the
+shard in: no device bytes saved). `Estimate.host_per_node` is the host bytes of a node's
+devices (`RunSpec.per_node`: a target's per-host count, else up to `DEVICES_PER_NODE`),
+judged against `host_memory`; `Estimate.pcie` the bytes each offload moves over the host
+link per step (`bus`: their time at the target's link beside the step's compute).
+
 Modules: `spec` (what is read of a config: `RunSpec`, parameter counts), `activations`
 (saved activations, a layer's working set, the loss chunk), `step` (`estimate`,
-`Estimate`), `search` (`suggestions`, `fewest_devices`), `compiled` (XLA's buffers at
-the peak, attributed to the estimate's components).
+`Estimate`), `bus` (PCIe bytes per step, `Bus`), `search` (`suggestions`,
+`fewest_devices`), `compiled` (XLA's buffers at the peak, attributed to the estimate's
+components).
 """
 
 from zerojax.memory import bus
