@@ -214,7 +214,7 @@ def test_a_layer_with_a_non_finite_gradient_is_not_updated():
     (dict(max_grad_norm=1.0), "clipping='previous_norm'"),
     (dict(max_grad_norm=1.0, clipping="previous_norm"), "carry_grad_norm"),
     (dict(loss_scaling=precision.LossScaling()), "dynamic loss scaling"),
-    (dict(stage=2), "runs stage 2"),
+    (dict(stage=2), "this plan is stage 2"),
     (dict(tx=optax.adamw(1e-3)), "LeafwiseTransformation"),
 ])
 def test_what_release_cannot_do_is_refused(change, message):

@@ -182,10 +182,11 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
     reduce_dtype: dtype of every cross-device gradient reduction.
     donate: donate the input state's buffers to the output.
-    read_ahead: with offloaded optimizer state, fetch layer i-1's state during layer i's
-      backward pass (`streaming.read_ahead`: one more layer of it on the device, the
-      copy in flight under the layer's compute). None: where host memory is not the
-      device's own (a GPU; not XLA:CPU, traced for a GPU target or not).
+    read_ahead: with offloaded params or optimizer state, fetch the next layer's during
+      a layer's forward (params) and backward pass (`streaming.read_ahead`: one more
+      layer of it on the device, the copy in flight under the layer's compute). None:
+      where host memory is not the device's own (a GPU; not XLA:CPU, traced for a GPU
+      target or not).
 
   Returns:
     A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
@@ -264,28 +265,35 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # Both loops read the stacks as rows (`updates.LayerViews`: no whole-stack relayout).
     views = updates.LayerViews(plan, params, opt_state, depth, rows=True)
     rows = views.rows(params)
-    x, inputs = jax.lax.scan(
-        lambda x, i: (parts.layer(gathered(views.params(rows, i)[stack]), x, batch),
-                      streaming.outbound(jax.tree.map(stage3.to_bits, x), parts.offload)),
-        x, jnp.arange(depth))
+    # Offloaded params and state: the layer a trip needs next comes in while it computes
+    # (the forward pass reads layer i+1 during trip i, the backward pass layer i-1,
+    # `read_ahead`), carried. Not on XLA:CPU unless asked: its host and device are one
+    # RAM (the moves lower to nothing), and there the backward barrier costs a copy of
+    # the stacks it reads (43 GiB of optimizer state at 70B).
+    ahead = read_ahead if read_ahead is not None else zerojax_gpu.backend() != "cpu"
+    ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload
+    params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
+    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
+
+    x, inputs = streaming.forward_layers(
+        lambda i, layer, x: (parts.layer(gathered(layer), x, batch), streaming.outbound(
+            jax.tree.map(stage3.to_bits, x), parts.offload)),
+        x, lambda i: params_at(rows, i)[stack], depth, ahead_p)
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
 
-    # Offloaded state: layer i-1's comes in during trip i, carried (`read_ahead`). Not
-    # on XLA:CPU unless asked: its host and device are one RAM (the moves lower to
-    # nothing), and there the barrier costs a copy of the state stacks (43 GiB at 70B).
-    ahead_of = plan.offload and (read_ahead if read_ahead is not None else
-                                 zerojax_gpu.backend() != "cpu")
-    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
-
     def body(i, saved, carry):
-      ct, p, s, skipped, grad_sq, update_sq, state = carry
-      if ahead_of:
-        ahead, s = streaming.read_ahead(s, lambda s: state_at(s, jnp.maximum(i - 1, 0)))
-      else:  # Nothing carried: each trip slices its own layer's state.
-        state, ahead = views.state(s, i), None
-      layer_p = views.params(p, i)
+      ct, p, s, skipped, grad_sq, update_sq, (layer_p, state) = carry
+      before = jnp.maximum(i - 1, 0)
+      if ahead_p:
+        next_p, p = streaming.read_ahead(p, lambda p: params_at(p, before))
+      else:  # Nothing carried: each trip reads its own layer.
+        layer_p, next_p = params_at(p, i), None
+      if ahead_s:
+        next_s, s = streaming.read_ahead(s, lambda s: state_at(s, before))
+      else:  # `apply` brings an offloaded slice over itself.
+        state, next_s = views.state(s, i), None
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
@@ -293,17 +301,19 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       g = reduced(g, dims[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
-      new_p, new_s, update_squares = (arrived if ahead_of else apply)(
+      new_p, new_s, update_squares = (arrived if ahead_s else apply)(
           {**layer_p, stack: g}, state, layer_p, finite=finite,
           scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
           **phase, **clip_to)
+      new_p = streaming.to_host(new_p, plan.param_offloaded)  # Straight back.
       return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
               skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
-              update_sq + jnp.where(finite, update_squares, 0.0), ahead)
+              update_sq + jnp.where(finite, update_squares, 0.0), (next_p, next_s))
 
     zero_sq = jnp.zeros((), jnp.float32)
     s = views.state_rows(opt_state)
-    first = state_at(s, depth - 1) if ahead_of else None
+    first = (params_at(rows, depth - 1) if ahead_p else None,
+             state_at(s, depth - 1) if ahead_s else None)
     ct, p, s, skipped, grad_sq, update_sq, _ = streaming.backward_layers(body, (
         ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first),
         inputs, depth, parts.offload)

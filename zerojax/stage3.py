@@ -93,7 +93,9 @@ def gather(tree: PyTree) -> PyTree:
   def one(leaf):
     if not isinstance(leaf, Sharded):
       return leaf
-    return gather_leaf(leaf.value, leaf.value.ndim + leaf.dim, leaf.axes, leaf.dtype)
+    # An offloaded layer (`zero.param_offload`) comes to the device first.
+    value = streaming.on_device(leaf.value)
+    return gather_leaf(value, value.ndim + leaf.dim, leaf.axes, leaf.dtype)
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
 
 

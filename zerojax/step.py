@@ -137,13 +137,17 @@ def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
   other sharded leaves are gathered here; otherwise params are whole already. `params`
   may be in another dtype (the reduce dtype, when differentiating).
   """
-  def leaf(p, d, layered, like):
+  def leaf(p, d, layered, host, like):
+    if host:  # Gathered (over one shard: moved) by the model, a layer at a time.
+      return stage3.Sharded(p, -1 if d is None else d - p.ndim, plan.shard_axes, like.dtype)
     if not plan.behaviour.shards_params or d is None:
       return p.astype(like.dtype)
     if layered:
       return stage3.Sharded(p, d - p.ndim, plan.shard_axes, like.dtype)
     return stage3.gather_leaf(p, d, plan.shard_axes, like.dtype)
-  return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, plan.params,
+  host = jax.tree.map(lambda h, p: h and streaming.in_host_memory(p), plan.param_offloaded,
+                      params)
+  return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
                       is_leaf=lambda d: d is None)
 
 
@@ -308,7 +312,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
 
   def step(state: TrainState, batch: PyTree):
     check_batch(batch, plan.num_examples * microbatches, microbatches)
-    params = state.params
+    # Offloaded params come over whole: the gradient half differentiates an fp32 copy
+    # of them anyway (gradient release is the path that streams them by layer).
+    params = streaming.to_device(state.params, plan.param_offloaded)
     rng = jax.random.key_data(jax.random.fold_in(
         jax.random.wrap_key_data(state.rng), state.step))
     grads, loss, aux = jax.shard_map(
@@ -342,7 +348,8 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     # Back to the stage's layout: the all-gather of the updated params at stages 1, 2.
     # Pinning the result to the shards first keeps the gather after the rounding to the
     # param dtype; otherwise GSPMD gathers the fp32 sum and halves nothing.
-    new_params = jax.lax.with_sharding_constraint(on_shards(new_params), shardings.params)
+    new_params = streaming.to_host(jax.lax.with_sharding_constraint(
+        on_shards(new_params), plan.shardings(plan.param_specs)), plan.param_offloaded)
     loss_scale = precision.update_loss_scale(state.loss_scale, finite, loss_scaling)
 
     metrics = dict(loss=loss, grad_norm=grad_norm,
@@ -386,5 +393,5 @@ def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, Py
                          out_specs=P(), check_vma=False)(params, sequence.shard_batch(plan, batch))
 
   return jax.jit(evaluate, in_shardings=(
-      plan.shardings(plan.param_specs),
+      plan.param_shardings,
       jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)))

@@ -162,7 +162,7 @@ def decoder(model: Any, plan: zero.ZeroPlan, gather: str = "auto") -> Any:
 
     row, one = NamedSharding(plan.mesh, rows), NamedSharding(plan.mesh, P())
     program = jax.jit(run, static_argnums=7, in_shardings=(
-        plan.shardings(plan.param_specs), row, row, one, one, one, one),
+        plan.param_shardings, row, row, one, one, one, one),
         out_shardings=(row, row, cache_lib.shardings(plan.mesh, plan.data_axes)))
     _programs[key] = (plan, program)  # The plan kept alive: its id stays its own.
   return _programs[key][1]
@@ -176,7 +176,7 @@ def abstract_inputs(plan: zero.ZeroPlan, batch: int, width: int, total: int) -> 
   like = lambda x, sharding: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
                                                   sharding=sharding)
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        plan.params, plan.shardings(plan.param_specs))
+                        plan.params, plan.param_shardings)
   return (params, like(np.zeros((batch, width), np.int32), row),
           like(np.zeros(batch, np.int32), row), like(np.zeros(STOP_SLOTS, np.int32), one),
           like(np.int32(0), one), like(np.int32(0), one),

@@ -307,7 +307,7 @@ def load_params(folder: str, target: Any) -> PyTree:
   from zerojax.zero import ZeroPlan  # pylint: disable=import-outside-toplevel
   if isinstance(target, ZeroPlan):
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          target.params, target.shardings(target.param_specs))
+                          target.params, target.param_shardings)
   c = llama_config(folder)
   tensors = tensor_index(folder)
   _check_tensors(folder, c, tensors)

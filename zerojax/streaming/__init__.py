@@ -8,14 +8,18 @@ One mechanism for every per-layer stream between host and device:
   say about host memory (`has_host_memory`, `host_parameter_bytes`).
 - `layers`: a stack (a pytree whose leaves have a leading layers axis) kept in host
   memory, written one layer at a time by the forward pass's scan (`outbound`) and read
-  back one layer at a time (`fetch`); `backward_layers` is the loop over the layers in
-  reverse that reads a read-only stack one layer ahead, so layer i-1's copy is in
-  flight while layer i computes; `read_ahead` does the same for a stack the loop also
-  writes.
+  back one layer at a time (`fetch`); `forward_layers` and `backward_layers` are the
+  loops over the layers (in order, in reverse) that read the next layer during a
+  layer's trip, so its copy is in flight while the layer computes; `read_ahead` orders
+  such a read before the trip's write for a stack the loop also writes.
 - `optimizer`: `streamed`, an optimizer update with its offloaded state brought to the
   device before it and sent back after.
 
-Its users: the optimizer-state offload (`optimizer.offload='host'`: the update by layer
+Its users: the parameter offload (`zero.param_offload='host'`: stage 3's layer shards
+live in host memory; gradient release reads layer i+1's during layer i's forward trip
+and layer i-1's during layer i's backward trip, and writes each updated shard straight
+back; the normal step brings them over whole, the stage-3 gather one layer at a time
+for evaluation), the optimizer-state offload (`optimizer.offload='host'`: the update by layer
 and gradient release's per-layer update bring one layer's moments over and send them
 back, `streamed` around `updates.LayerViews`' slices; release reads them one layer ahead
 on a GPU, `read_ahead`), and the activation offload (`model.activation_offload='host'`:
@@ -31,10 +35,17 @@ same RAM and lowers the moves to nothing, so on CPU a streamed step computes exa
 what the step without streaming computes.
 """
 
-from zerojax.streaming.layers import backward_layers, fetch, outbound, read_ahead
+from zerojax.streaming.layers import (
+    backward_layers,
+    fetch,
+    forward_layers,
+    outbound,
+    read_ahead,
+)
 from zerojax.streaming.memory import (
     has_host_memory,
     host_parameter_bytes,
+    in_host_memory,
     memory_kinds,
     on_device,
     to_device,
@@ -42,6 +53,6 @@ from zerojax.streaming.memory import (
 )
 from zerojax.streaming.optimizer import streamed
 
-__all__ = ["backward_layers", "fetch", "has_host_memory", "host_parameter_bytes",
-           "memory_kinds", "on_device", "outbound", "read_ahead", "streamed", "to_device",
-           "to_host"]
+__all__ = ["backward_layers", "fetch", "forward_layers", "has_host_memory",
+           "host_parameter_bytes", "in_host_memory", "memory_kinds", "on_device", "outbound",
+           "read_ahead", "streamed", "to_device", "to_host"]

@@ -50,6 +50,37 @@ def fetch(stack: PyTree, i: jax.Array, host: bool) -> PyTree:
   return to_device(layer, _everywhere(layer)) if host else layer
 
 
+def forward_layers(body: Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, PyTree]],
+                   carry: PyTree, read: Callable[[jax.Array], PyTree], length: int,
+                   ahead: bool) -> tuple[PyTree, PyTree]:
+  """`carry, y_i = body(i, read(i), carry)` for i = 0, ..., length-1: a `lax.scan`.
+
+  Args:
+    body: one layer's step: (layer index int32[], its values as `read` gives them,
+      carry) -> (carry, per-layer output, stacked by the scan).
+    carry: the loop's state, any pytree.
+    read: layer i's values on the device (a slice of a stack, moved there).
+    length: the number of layers.
+    ahead: read layer i+1 during trip i and carry it, so its copy is in flight while
+      layer i computes (a host stack); else each trip reads its own layer.
+
+  Returns:
+    (the carry after the last layer, the stacked outputs).
+  """
+  if not ahead:
+    return jax.lax.scan(lambda c, i: body(i, read(i), c), carry, jnp.arange(length))
+
+  def trip(state, i):
+    c, layer = state
+    # The last trip reads the last layer again (clamped), as `backward_layers` does.
+    nxt = read(jnp.minimum(i + 1, length - 1))
+    c, y = body(i, layer, c)
+    return (c, nxt), y
+
+  (carry, _), ys = jax.lax.scan(trip, (carry, read(0)), jnp.arange(length))
+  return carry, ys
+
+
 def backward_layers(body: Callable[[jax.Array, PyTree, PyTree], PyTree], carry: PyTree,
                     stack: PyTree, length: int, host: bool) -> PyTree:
   """`carry = body(i, stack[i], carry)` for i = length-1, ..., 0: a `fori_loop`.

@@ -49,12 +49,16 @@ def to_host(tree: PyTree, mask: PyTree) -> PyTree:
   return _move(tree, mask, jax.memory.Space.Host)
 
 
+def in_host_memory(x: jax.Array) -> bool:
+  """Whether `x`, a value inside a jitted function, is in host memory."""
+  return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
 def on_device(x: jax.Array) -> jax.Array:
   """`x` in device memory (moved there if it is a host value), inside a jitted function:
-  the one way code that computes on any state leaf (checksums) reads an offloaded one."""
-  if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-    return jax.device_put(x, jax.memory.Space.Device)
-  return x
+  the one way code that computes on any state leaf (checksums, a stage-3 gather) reads
+  an offloaded one."""
+  return jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x
 
 
 def host_parameter_bytes(hlo_text: str) -> int:
