@@ -7,12 +7,14 @@ needs JAX's CUDA plugin (the `gpu-compile` extra), skipped with the reason other
 
 import itertools
 import json
+import math
 import os
 import re
 
 import jax
 import pytest
 
+import zerojax
 from zerojax import build, memory_report, train
 from zerojax.config import ConfigError, load_config
 from zerojax.generate import cache, decode
@@ -154,6 +156,29 @@ def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
   assert config.train.seq_len == 4_194_304
   assert mem["arguments"] + mem["temporaries"] <= 70 * GIB, mem
   assert mem["host_temporaries"] == 32 * 524_288 * 4096 * 2
+
+
+@pytest.mark.parametrize("name, target, params_on_host", [
+    ("70b_8x4090", "rtx4090:8", True), ("70b_8xl40s", "l40s:8", False),
+    ("8b_1x4090", "rtx4090:1", True)])
+def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, target,
+                                                                         params_on_host):
+  """The parameter-offload issue's recipes compiled by XLA's GPU compiler for their cards:
+  device bytes within the allocator's pool as train.py runs them (the card's memory less
+  the CUDA context, times train.py's memory fraction), host memory at most 1 TiB a node,
+  and exactly the plan's host-resident state (the layer shards with param offload, the
+  optimizer's mirrors) as the module's host arguments."""
+  spec = targets.parse(target)
+  config, built, out = compile_config(name, [], target, devices=jax.devices()[:spec.devices])
+  mem = out.memory
+  pool = targets.budget(spec.target, targets.memory_fraction(config, {}))
+  assert mem["arguments"] + mem["temporaries"] <= pool, (mem, pool)
+  state = zerojax.abstract_state(built.plan)
+  host = sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape))
+             for x in jax.tree.leaves((state.params, state.opt_state))
+             if x.sharding.memory_kind == "pinned_host")
+  assert mem["host_arguments"] == host and spec.devices * host <= 2**40
+  assert built.plan.param_offload == params_on_host
 
 
 def test_fit_finds_a_recipe_for_8_a100_40gb_and_the_compiler_agrees():
