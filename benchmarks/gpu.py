@@ -26,6 +26,9 @@ measurement, an out-of-memory or a hang costs one row, not the run):
 4. **offload** (`--offload`, default 8b): the same step with `optimizer.offload=host`
    (remat full), so the device peak and step time sit beside the run without it: the
    proof that the device bytes fall by the optimizer state (XLA:CPU cannot show it).
+5. **parameter offload** (`--param-offload`, default 8b): the step with gradient release,
+   then the same with `zero.param_offload=host` and `optimizer.offload=host` (what
+   `configs/8b_1x4090.py` runs): step time and device peak with and without the copies.
 
 The run stops starting new measurements when `--budget` seconds are spent; results are
 written after every measurement, so a run cut short keeps what it measured.
@@ -80,6 +83,9 @@ def parse_args(argv=None):
                                                       for c, r in REMATS.items()) + ")")
   ap.add_argument("--offload", default="8b",
                   help="comma list of configs also run with optimizer.offload=host (remat full)")
+  ap.add_argument("--param-offload", default="8b",
+                  help="comma list of configs also run with gradient release, without and "
+                       "with zero.param_offload=host + optimizer.offload=host (remat full)")
   ap.add_argument("--steps", type=int, default=0, help="timed steps (default GPU 4, CPU 2)")
   ap.add_argument("--batch", type=int, default=0, help="sequences per step (default per config)")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -393,6 +399,11 @@ def main(argv=None):
             for i in range(max(len(r) for r in remats.values()))]
   variants = [(c, remats[c][0], "offload", ("optimizer.offload=host",))
               for c in args.offload.split(",") if c in configs]
+  release = ("optimizer.release=True", "optimizer.grad_clip=0")
+  for c in (c for c in args.param_offload.split(",") if c in configs):
+    variants += [(c, remats[c][0], "release", release),
+                 (c, remats[c][0], "release + param and optimizer offload",
+                  (*release, "zero.param_offload=host", "optimizer.offload=host"))]
   variants += [] if args.cpu else [(configs[-1], remats[configs[-1]][0], "no XLA profile",
                                     ("xla.gpu_profile=False",))]
   order = rounds[0] + (rounds[1] if len(rounds) > 1 else []) + variants + [

@@ -2,7 +2,9 @@
 # One-GPU benchmark (benchmarks/gpu.py): MFU of configs/1b_bf16.py and configs/8b_bf16.py
 # at ZeRO stage 3 per remat policy (full; by name: 1B five, 8B four), the 8B with its optimizer state offloaded
 # to host memory (optimizer.offload=host: device peak and step time beside the run
-# without), the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
+# without), the 8B with gradient release without and with its params and optimizer state
+# in host memory (zero.param_offload, optimizer.offload: the step time the copies cost),
+# the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
 # per-device memory against the planner.
 #
 #   bash benchmarks/gpu.sh            # one H200, under 8 minutes -> benchmarks/results/gpu.json
