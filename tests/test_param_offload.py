@@ -4,13 +4,13 @@ shards live in pinned host memory and come to the device a layer at a time.
 On 8 CPU devices (XLA:CPU's host and device are one RAM, so the moves lower to nothing
 and an offloaded step must compute exactly what the step without offload computes):
 5 steps bit for bit equal, fp32 and bf16, the normal stage-3 step and gradient release
-(each layer read in its own trip, and read one layer ahead), with optimizer-state
-offload too, over 8 shards and over one; the stacked params in host memory after every
-step, the rest on the device; in the traced step host values are only moved and sliced;
-an orbax checkpoint round-trips between a run with offload and one without. Compiled by
-XLA's GPU compiler (no GPU needed): the stacked params are the module's host arguments,
-the device's fall by as much, and every copy in is asynchronous with a layer's compute
-scheduled under it.
+(each layer read in its own trip, and read one layer ahead; with optimizer accumulation
+over 2 microbatches), with optimizer-state offload too, over 8 shards and over one; the
+stacked params in host memory after every step, the rest on the device; in the traced
+step host values are only moved and sliced; an orbax checkpoint round-trips between a
+run with offload and one without. Compiled by XLA's GPU compiler (no GPU needed): the
+stacked params are the module's host arguments, the device's fall by as much, every
+copy in is asynchronous and most of their bytes have a layer's compute under them.
 """
 
 import math
@@ -52,6 +52,9 @@ def make(model, tx, *, params=False, state=False, mesh=(1, 8)):
 def make_step(kind, plan, model, tx):
   if kind == "normal":
     return zerojax.make_train_step(plan, model.loss, tx)
+  if kind == "release accumulation":  # 2 microbatches absorbed, per-layer clipping.
+    return make_release_step(plan, model.layered(), tx, microbatches=2, read_ahead=True,
+                             accumulation="optimizer", max_grad_norm=0.2, clipping="per_layer")
   return make_release_step(plan, model.layered(), tx, read_ahead=kind == "release ahead")
 
 
@@ -73,11 +76,12 @@ def train(kind, plan, model, tx, data):
     ("llama", "bfloat16", "release ahead", True, (1, 8)),
     ("mlp_lm", "bfloat16", "release", False, (2, 4)),
     ("mlp_lm", "bfloat16", "release ahead", True, (8, 1)),  # One shard: nothing gathered.
+    ("llama", "bfloat16", "release accumulation", True, (1, 8)),
 ])
 def test_offloaded_params_train_bit_for_bit_as_params_on_the_device(name, dtype, kind, state,
                                                                     mesh):
   model, tx = model_and_tx(name, dtype)
-  data = batches(STEPS)
+  data = batches(STEPS, batch=16 if kind == "release accumulation" else 8)
   want, _ = train(kind, make(model, tx, state=state, mesh=mesh), model, tx, data)
   plan = make(model, tx, params=True, state=state, mesh=mesh)
   got, kinds = train(kind, plan, model, tx, data)
