@@ -145,6 +145,9 @@ def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
   (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
   assert float(total) <= 70, total
   assert "saved activations 40.00 GiB in host memory" in text
+  # The saved inputs' reads back, as train.py reads the schedule (streaming.schedule).
+  assert re.search(r"host copies in the layer loops: \d+ to the device in 1 loop body, "
+                   r"\d+% of their bytes with compute scheduled under them", text), text
 
 
 def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():

@@ -26,6 +26,7 @@ from zerojax.gpu import compile as gpu_compile, targets
 from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
+from zerojax.streaming import schedule
 from zerojax.testing import hlo
 
 from test_offload import MOVE_ONLY, NoHostMemory, abstract_inputs, host_uses
@@ -220,3 +221,10 @@ def test_on_a_gpu_the_layers_live_in_host_memory_and_arrive_one_layer_ahead():
     assert len(reads) in (leaves, 2 * leaves), (name, reads)
     hidden = sum(size(m) for m in reads if m.overlaps) / sum(size(m) for m in reads)
     assert hidden >= 0.6, (name, hidden)
+  # train.py's line: the same reads, both loops together.
+  reads = [m for name in loops for m in by_place[name]]
+  hidden = sum(size(m) for m in reads if m.overlaps) / sum(size(m) for m in reads)
+  assert schedule.overlap_line(compiled["host"].hlo) == (
+      f"host copies in the layer loops: {len(reads)} to the device in 2 loop bodies, "
+      f"{hidden:.0%} of their bytes with compute scheduled under them (the compiled "
+      "schedule, not a measurement)")

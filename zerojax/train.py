@@ -55,6 +55,7 @@ from zerojax import (
   precision,
   preemption,
   sft,
+  streaming,
   units,
   watchdog,
   workdir,
@@ -192,11 +193,14 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   spec = args.target_spec
   if spec:  # XLA's GPU compiler, for a GPU this process does not have; nothing to run.
     from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
-    train_step, mem = None, gpu_compile.compile_step(built, config, spec).memory
+    gpu = gpu_compile.compile_step(built, config, spec)
+    train_step, mem, text = None, gpu.memory, gpu.hlo
     report(f"target {spec}: compiled by XLA's GPU compiler with the XLA flag profile "
            f"{'on' if c.xla.gpu_profile else 'off'} (nothing allocated)")
   else:
     train_step, mem = compile_step(built)
+    # XLA:CPU moves nothing between host and device: only a GPU's schedule has copies.
+    text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]
   mesh, plan = built.mesh, built.plan
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
@@ -218,6 +222,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          f"(compile {time.perf_counter() - start:.1f}s)",
          devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape),
          stage=c.zero.stage, params=n_params, memory=mem)
+  if text and (copies := streaming.schedule.overlap_line(text)):
+    report(copies)  # Whether the streams can hide behind the layers' compute.
   # CPU devices share the host's memory: a step that does not fit would swap, ignore
   # Ctrl-C while it allocates, then meet the OOM killer. A dry run allocates nothing.
   host = (memory_report.host_memory_available()

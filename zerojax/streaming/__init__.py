@@ -14,6 +14,8 @@ One mechanism for every per-layer stream between host and device:
   such a read before the trip's write for a stack the loop also writes.
 - `optimizer`: `streamed`, an optimizer update with its offloaded state brought to the
   device before it and sent back after.
+- `schedule`: the compiled module's host copies and the compute scheduled under them
+  (`host_moves`, `overlap_line`: train.py's line on a GPU or a GPU target).
 
 Its users: the parameter offload (`zero.param_offload='host'`: stage 3's layer shards
 live in host memory; gradient release reads layer i+1's during layer i's forward trip
@@ -35,6 +37,7 @@ same RAM and lowers the moves to nothing, so on CPU a streamed step computes exa
 what the step without streaming computes.
 """
 
+from zerojax.streaming import schedule
 from zerojax.streaming.layers import (
     backward_layers,
     fetch,
@@ -55,4 +58,4 @@ from zerojax.streaming.optimizer import streamed
 
 __all__ = ["backward_layers", "fetch", "forward_layers", "has_host_memory",
            "host_parameter_bytes", "in_host_memory", "memory_kinds", "on_device", "outbound",
-           "read_ahead", "streamed", "to_device", "to_host"]
+           "read_ahead", "schedule", "streamed", "to_device", "to_host"]

@@ -23,15 +23,15 @@ from typing import NamedTuple
 
 from zerojax import xla_dump
 
+# The compiled module's host copies are the library's to read (train.py reports them);
+# re-exported here beside the collectives.
+from zerojax.streaming.schedule import _INSTRUCTION, _TYPE, HostMove, Shape, host_moves
+
+__all__ = ["COLLECTIVES", "Collective", "HostMove", "Shape", "collectives", "compile_partitioned",
+           "host_moves", "nbytes", "summarize"]
+
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                "collective-permute")
-
-Shape = tuple[str, tuple[int, ...]]  # (dtype, dims), e.g. ('bf16', (64, 128)).
-
-# `ROOT %name = type op(operands), attributes`; the `%` is absent before optimization.
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_TYPE = re.compile(r"\b(pred|[a-z]+\d+\w*)\[([\d,]*)\]")
 _CALLEES = re.compile(r"\b(?:to_apply|calls|branch_computations|true_computation|"
                       r"false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 
@@ -220,69 +220,3 @@ def compile_partitioned(lowered):
                        "loaded from the persistent compilation cache? Disable it "
                        "(jax_enable_compilation_cache=False) to read partitioned HLO.")
   return compiled, ""
-
-
-class HostMove(NamedTuple):
-  """One asynchronous move between host memory (`S(5)`) and the device in a scheduled
-  (compiled) module: a copy or a dynamic-(update-)slice fusion, started and done apart.
-
-  Attributes:
-    name: the `-start` instruction.
-    computation: where it sits (a while body for the per-layer moves).
-    to_host: True for device -> host (the result is in S(5)), False for host -> device.
-    shape: (dtype, dims) of what arrives.
-    overlaps: the compute scheduled between start and done: matmul fusions, custom calls
-      (cuDNN attention) and collectives, by instruction name.
-  """
-  name: str
-  computation: str
-  to_host: bool
-  shape: Shape
-  overlaps: tuple[str, ...]
-
-
-def _arriving(hlo_type: str) -> str:
-  """The arriving value's type in an async start's tuple type: a copy-start's first
-  element (destination, source, context), or an async fusion's result after its
-  operand tuple ((operands...), result, context)."""
-  inner = hlo_type.strip()[1:]
-  if inner.startswith("("):
-    depth = 0
-    for i, ch in enumerate(inner):
-      depth += {"(": 1, ")": -1}.get(ch, 0)
-      if depth == 0:
-        return inner[i + 1:]
-  return inner
-
-
-def host_moves(hlo_text: str) -> list[HostMove]:
-  """Every asynchronous host <-> device move of a scheduled module, with the compute the
-  schedule put between its start and done (what it can overlap on a GPU)."""
-  moves, open_, comp = [], {}, ""
-  compute = re.compile(r"gemm|custom-call|cudnn|-start$")
-  for line in hlo_text.splitlines():
-    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
-      comp, open_ = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1), {}
-      continue
-    if not (inst := _INSTRUCTION.match(line)):
-      continue
-    name, hlo_type, op, rest = inst.groups()
-    if op in ("copy-start", "fusion-start") and "S(5)" in hlo_type:
-      arriving = _arriving(re.sub(r"/\*.*?\*/", "", hlo_type))
-      first = _TYPE.search(arriving)
-      layout = re.search(r"\]\{([^}]*)\}", arriving)
-      open_[name] = (len(moves), [])
-      moves.append([name, comp, bool(layout and "S(5)" in layout.group(1)),
-                    (first.group(1), tuple(int(d) for d in first.group(2).split(",") if d)),
-                    ()])
-      continue
-    if op in ("copy-done", "fusion-done"):
-      operand = re.findall(r"%?([\w.\-]+)", rest.split(")")[0])
-      if operand and operand[0] in open_:
-        i, between = open_.pop(operand[0])
-        moves[i][4] = tuple(between)
-        continue
-    if compute.search(name) or compute.search(op):
-      for _, between in open_.values():
-        between.append(name)
-  return [HostMove(*m) for m in moves]
