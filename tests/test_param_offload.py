@@ -185,8 +185,8 @@ def test_on_a_gpu_the_layers_live_in_host_memory_and_arrive_one_layer_ahead():
   start and done): one per stacked leaf before each layer loop (the first layer) and
   one per leaf per trip inside it (the next layer, carried), and in both loops most of
   their bytes have a layer's compute scheduled between start and done (measured: 89%
-  in the forward loop, 80% in the backward; XLA runs host copies one at a time, and a
-  few land between two compute ops)."""
+  in the forward loop, 80% in the backward; XLA keeps at most two host copies in
+  flight, and a few land between two compute ops)."""
   layers = 6
   overrides = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
                f"model.n_layers={layers}", "train.seq_len=512", "train.global_batch_size=8",
