@@ -134,7 +134,6 @@ def test_release_on_2_processes_matches_1_process(tmp_path):
     (("--config.optimizer.grad_clip=0", "--config.zero.stage=2"), "zero.stage", ""),
     (("--config.optimizer.grad_clip=0", "--config.train.microbatches=2"),
      "train.microbatches", "optimizer.release_accumulation"),
-    (("--config.optimizer.grad_clip=0", "--config.mesh.data=8"), "mesh.fsdp", ""),
     (("--config.optimizer.grad_clip=0", "--config.precision.param_dtype=float16",
       "--config.precision.compute_dtype=float16"), "precision.param_dtype",
      "precision.loss_scale"),
