@@ -28,18 +28,13 @@ no mask for causal rows of one document. Packed rows (several examples a row) ne
 `model.attention=blocked`: cuDNN's segment mask would be a [T, T] bias.
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from zerojax.config import beside
 
 
 def get_config() -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.dirname(__file__), "70b_8x80gb.py")
-  spec = importlib.util.spec_from_file_location("configs_70b_8x80gb", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = beside(__file__, "70b_8x80gb.py")
   c.train.seq_len = 262_144
   c.train.global_batch_size = 1  # One sequence a step, over all 8 devices.
   c.mesh.data = 1  # Every device holds a slice of the one sequence.

@@ -27,18 +27,13 @@ loop bodies, 43% of their bytes with compute scheduled under them (a schedule, n
 timing).
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from zerojax.config import beside
 
 
 def get_config() -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.dirname(__file__), "70b_8x80gb.py")
-  spec = importlib.util.spec_from_file_location("configs_70b_8x80gb", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = beside(__file__, "70b_8x80gb.py")
   c.zero.param_offload = "host"  # 16 GiB of layer shards a device, in host memory.
   c.optimizer.offload = "host"  # Lion's moment and the Kahan buffer: 16 GiB a device more.
   return c

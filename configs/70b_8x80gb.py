@@ -19,18 +19,13 @@ temporaries = 62.58 GiB a device, where XLA's allocator has 74.72 GiB of an H100
 train.py runs it; the planner's estimate 65.35 GiB (1.044).
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from zerojax.config import beside
 
 
 def get_config() -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.dirname(__file__), "70b_bf16.py")
-  spec = importlib.util.spec_from_file_location("configs_70b_bf16", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = beside(__file__, "70b_bf16.py")
   c.optimizer.name = "lion"
   c.optimizer.learning_rate = 5e-5  # Lion: ~3x below AdamW's, ...
   c.optimizer.weight_decay = 0.3  # ... and its decay ~3x above, as the Lion paper does.

@@ -31,18 +31,13 @@ loop bodies, 61% of their bytes with compute scheduled under them (a schedule, n
 timing).
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from zerojax.config import beside
 
 
 def get_config() -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.dirname(__file__), "8b_bf16.py")
-  spec = importlib.util.spec_from_file_location("configs_8b_bf16", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = beside(__file__, "8b_bf16.py")
   c.optimizer.release = True
   c.optimizer.grad_clip = 0.0  # Release has no global norm to clip by.
   c.zero.param_offload = "host"  # The 32 layers' 13.0 GiB of bf16 params.

@@ -25,18 +25,13 @@ Plain token sequences: attention 'auto' is cuDNN's flash attention on a GPU. Pac
 need `model.attention=blocked`, whose scores at this length are [block, 4M] per head.
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from zerojax.config import beside
 
 
 def get_config() -> ml_collections.ConfigDict:
-  path = os.path.join(os.path.dirname(__file__), "8b_bf16.py")
-  spec = importlib.util.spec_from_file_location("configs_8b_bf16", path)
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  c = base.get_config()
+  c = beside(__file__, "8b_bf16.py")
   c.train.seq_len = 4_194_304
   c.train.global_batch_size = 1  # One sequence a step, over all 8 devices.
   c.mesh.data = 1  # Every device holds a slice of the one sequence.

@@ -42,7 +42,7 @@ from zerojax.config_schema import (
 from zerojax.schema import base_config, describe
 from zerojax.validate import resolve_mesh_shape, validate
 
-__all__ = ["ArgumentParser", "ConfigError", "base_config", "load_config", "parse_argv",
+__all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "load_config", "parse_argv",
            "validate", "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
 
 
@@ -189,6 +189,16 @@ def _run_file(spec: str) -> tuple[ml_collections.ConfigDict, str]:
                       "ml_collections.ConfigDict.", source=path,
                       fix="start from zerojax.config.base_config() and return it")
   return config, path
+
+
+def beside(config_file: str, name: str) -> ml_collections.ConfigDict:
+  """The config of the file `name` in the folder of `config_file` (a config's own
+  `__file__`): how one config file starts from another, wherever the folder is.
+
+  Raises:
+    ConfigError: as for `--config` (no such file, no `get_config()`, ...).
+  """
+  return _run_file(os.path.join(os.path.dirname(os.path.abspath(config_file)), name))[0]
 
 
 def load_config(path: str, overrides: Sequence[str] = (), *,
