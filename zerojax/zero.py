@@ -242,9 +242,7 @@ class ZeroPlan:
   @property
   def opt_shardings(self) -> PyTree:
     """NamedShardings of the optimizer state: the one place its memory kind is set."""
-    return jax.tree.map(
-        lambda s, host: s.with_memory_kind(HOST_MEMORY) if host else s,
-        self.shardings(self.opt_specs), self.opt_offloaded)
+    return self._placed(self.opt_specs, self.opt_offloaded)
 
   @property
   def param_offloaded(self) -> PyTree:
@@ -254,9 +252,12 @@ class ZeroPlan:
   @property
   def param_shardings(self) -> PyTree:
     """NamedShardings of the stored params: the one place their memory kind is set."""
-    return jax.tree.map(
-        lambda s, host: s.with_memory_kind(HOST_MEMORY) if host else s,
-        self.shardings(self.param_specs), self.param_offloaded)
+    return self._placed(self.param_specs, self.param_offloaded)
+
+  def _placed(self, specs: PyTree, host: PyTree) -> PyTree:
+    """NamedShardings of `specs`, in pinned host memory where `host` says so."""
+    return jax.tree.map(lambda s, h: s.with_memory_kind(HOST_MEMORY) if h else s,
+                        self.shardings(specs), host)
 
   @property
   def opt_per_layer(self) -> PyTree:
