@@ -110,8 +110,9 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
                            "h100:8 or h100:2x8 (2 hosts of 8); zerojax.gpu.targets lists them")
   parser.add_argument("--workdir", default=None, help="overrides config.workdir")
   parser.add_argument("--stop_after", type=int, default=None, metavar="STEP",
-                      help="after this step, save and exit as on SIGTERM (a preemption "
-                           "drill; the same command without it resumes)")
+                      help="after this step (one this run takes: after the resumed one, up "
+                           "to train.steps), save and exit as on SIGTERM (a preemption drill; "
+                           "the same command without it resumes)")
   args = parser.parse_args(rest)
   if args.fake_devices < 0:
     parser.error(f"argument --fake_devices: {args.fake_devices} is not a number of devices")
@@ -132,6 +133,16 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
   return path, overrides, args
 
 
+def check_stop_after(stop_after: int | None, start: int, steps: int) -> None:
+  """Refuses a --stop_after that the run would never reach: a step outside
+  start+1..steps (`start`: the step it resumes from) would train on to the end."""
+  if stop_after is not None and not start < stop_after <= steps:
+    resumed = f" (it resumes from step {start})" if start else ""
+    raise ConfigError(f"--stop_after {stop_after} is not a step this run takes{resumed}: it "
+                      f"must be in {start + 1}..{steps} (train.steps).",
+                      source="the command line")
+
+
 def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   """Config, processes, workdir lock, checkpoints, data, the compiled step and its memory.
 
@@ -144,6 +155,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   # SLURM / Open MPI; none = one process; exit 4 if they do not all join in time), and
   # only then are the mesh and batch checked against the devices of all processes.
   unchecked = load_config(path, overrides)
+  # Before any process joins or compiles; a resumed run's lower bound: `train`.
+  check_stop_after(args.stop_after, 0, unchecked.train.steps)
   # XLA reads its flags when JAX starts a backend, which joining the processes does.
   xla_lines = xla_flags.apply_gpu_profile(unchecked)
   distributed.initialize(unchecked.distributed)
@@ -414,6 +427,7 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
                f"{c.train.steps}: nothing to train or save (a larger --config.train.steps "
                "trains on)", step=start)
     return exits.DONE
+  check_stop_after(run.args.stop_after, start, c.train.steps)
   if c.workdir and jax.process_index() == 0:  # The run is accepted: its config is this.
     with open(os.path.join(c.workdir, "config.json"), "w") as f:
       f.write(c.to_json_best_effort(indent=2))
