@@ -8,12 +8,19 @@
   steps and fires on a stalled one.
 """
 
+import contextlib
 import os
+import secrets
+import selectors
+import socket
+import threading
+import time
+import types
 
 import pytest
 
 import zerojax.train
-from zerojax import exits
+from zerojax import exits, peers
 from zerojax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,3 +68,131 @@ def test_stop_after_at_or_below_the_resumed_step_is_refused(tmp_path, capsys):
       zerojax.train.check_stop_after(stop_after, 2, 4)
   for stop_after in (None, 3, 4):
     zerojax.train.check_stop_after(stop_after, 2, 4)
+
+
+class Left(Exception):
+  """`peers.leave` was called, or the test is over."""
+
+
+class PeerWatch:
+  """Process 0's peer watch (`peers._serve`) for a run of `n` processes, in a thread of
+  this process on a real localhost socket. `peers.leave` (which would end this process)
+  records its message and ends the thread instead; `stop` ends it between two polls."""
+
+  def __init__(self, n: int, monkeypatch):
+    self.left: list[tuple[str, int]] = []
+    self.stopping = threading.Event()
+    stopping = self.stopping
+
+    def leave(message, status):
+      self.left.append((message, status))
+      raise Left  # Where the process would end, the thread does.
+
+    class Selector(selectors.DefaultSelector):
+      def select(self, timeout=None):
+        if stopping.is_set():
+          raise Left
+        return super().select(timeout)
+    monkeypatch.setattr(peers, "leave", leave)
+    monkeypatch.setattr(peers, "selectors", types.SimpleNamespace(
+        DefaultSelector=Selector, EVENT_READ=selectors.EVENT_READ))
+    self.watch = peers._Watch(0, n, secrets.token_bytes(32), {})  # pylint: disable=protected-access
+    server = socket.create_server(("127.0.0.1", 0))
+    self.port = server.getsockname()[1]
+
+    def serve():
+      with server, contextlib.suppress(Left):
+        peers._serve(self.watch, server)  # pylint: disable=protected-access
+    self.thread = threading.Thread(target=serve, daemon=True)
+    self.thread.start()
+
+  def connect(self) -> tuple[socket.socket, bytes]:
+    """A connection and the nonce of process 0's greeting."""
+    s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+    greeting = b""
+    while not greeting.endswith(b"\n"):
+      greeting += s.recv(1)
+    word, nonce = greeting.split()
+    assert word == b"zerojax-peer-watch" and len(nonce) == 32
+    return s, nonce
+
+  def stop(self) -> None:
+    """Ends the thread (whatever the test left behind) before `peers` is itself again."""
+    self.watch.leaving = True  # A link that closes now is no news.
+    self.stopping.set()
+    self.thread.join(10)
+
+
+@pytest.fixture
+def peer_watch(monkeypatch):
+  """`PeerWatch(n)`, stopped after the test."""
+  made = []
+  yield lambda n: made.append(PeerWatch(n, monkeypatch)) or made[-1]
+  for w in made:
+    w.stop()
+
+
+def until(condition, what: str) -> None:
+  deadline = time.monotonic() + 10
+  while not condition():
+    assert time.monotonic() < deadline, f"no {what} within 10 s"
+    time.sleep(0.01)
+
+
+def hello(secret: bytes, nonce: bytes, pid: int) -> bytes:
+  return b"%d %s\n" % (pid, peers._proof(secret, nonce, pid))  # pylint: disable=protected-access
+
+
+def closed_by_the_watch(s: socket.socket) -> bool:
+  """True once the other side closed `s` (reading to EOF); False if it stays open 10 s."""
+  with s:
+    try:
+      while s.recv(256):
+        pass
+    except TimeoutError:
+      return False
+    except ConnectionResetError:
+      pass
+  return True
+
+
+def test_the_peer_watch_believes_only_a_hello_that_proves_the_secret(peer_watch, capsys):
+  """Process 0 of 3 processes, every hello well formed (an id in range, 64 hex digits):
+  one under another secret, one that replays a real peer's hello to another connection's
+  nonce, one that proves process 1's id but announces 2. Each is closed with one line and
+  taken for no process; then the real processes 1 and 2 join, 2 leaves with a goodbye (no
+  news) and 1's connection closing is news: "process 1 is gone". With `hmac.compare_digest`
+  always true, the first forger is taken for process 1 and its closing ends the run."""
+  w = peer_watch(3)
+  secret = w.watch.secret
+  forged, nonce = w.connect()
+  forged.sendall(hello(secrets.token_bytes(32), nonce, 1))
+  assert closed_by_the_watch(forged), "a hello under another secret was taken"
+  captured, nonce = w.connect()
+  replayed, _ = w.connect()
+  replayed.sendall(hello(secret, nonce, 1))  # Right for the other connection's nonce.
+  assert closed_by_the_watch(replayed), "a replayed hello was taken"
+  borrowed, nonce = w.connect()
+  borrowed.sendall(hello(secret, nonce, 1).replace(b"1 ", b"2 ", 1))
+  assert closed_by_the_watch(borrowed), "a hello proving another id was taken"
+  captured.close()  # Its hello was never sent.
+
+  one, nonce = w.connect()
+  one.sendall(hello(secret, nonce, 1))
+  two, nonce = w.connect()
+  two.sendall(hello(secret, nonce, 2))
+  until(lambda: set(w.watch.links) == {1, 2}, "peers 1 and 2")
+  two.sendall(b"bye\n")
+  two.close()
+  until(lambda: set(w.watch.links) == {1}, "goodbye of 2")
+  assert not w.left
+  one.close()
+  w.thread.join(10)
+  assert w.left == [("error: process 1 is gone (its connection closed: killed or crashed)",
+                     exits.PEER_LOST)]
+  refused = [line.split(": ", 2)[-1] for line in capsys.readouterr().err.splitlines()
+             if line.startswith("distributed: peer watch refused a connection from 127.0.0.1:")]
+  assert refused == ["announced process 1 without proving the run's secret",
+                     "announced process 1 without proving the run's secret",
+                     "announced process 2 without proving the run's secret",
+                     "closed before its hello"], refused
