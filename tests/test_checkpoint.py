@@ -5,6 +5,7 @@ import errno
 import functools
 import gc
 import glob
+import json
 import logging
 import os
 import shutil
@@ -17,12 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from orbax.checkpoint._src.serialization import serialization
 
 import zerojax
-from zerojax import checkpoint, checksums, optim, preemption
+import zerojax.train
+from zerojax import checkpoint, checksums, exits, optim, preemption
 from zerojax.checkpoint import orbax_quirks
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.step import state_shardings
+
+from test_train import TINY, checkpoint_files
 
 KEY = jax.random.key(0)
 
@@ -133,11 +138,56 @@ def largest_data_file(step_dir):
 # Files a damaged checkpoint may lack, and the reason the error gives for each damage.
 MISSING = {"no_meta": "meta/metadata", "no_metadata": "state/_METADATA",
            "no_manifest": "state/manifest.ocdbt"}
+DATA_FILE = r"state/(ocdbt\.process_0/)?d/\w+"
 REASONS = {"swapped": "fail their checksums",
            "truncated": r"cannot read the state: file state/d/\w+ is truncated \(\d+ bytes",
            "no_meta": "cannot read its meta: its file meta/metadata is missing",
            "no_metadata": "cannot read the state: its file state/_METADATA is missing",
-           "no_manifest": "cannot read the state: its file state/manifest.ocdbt is missing"}
+           "no_manifest": "cannot read the state: its file state/manifest.ocdbt is missing",
+           # The largest data file only (an array's chunks): found in the index's pointers.
+           "one_truncated": rf"cannot read the state: file {DATA_FILE} is truncated \(\d+ bytes",
+           "one_missing": rf"cannot read the state: its file {DATA_FILE} is missing",
+           # Random bytes: the index (DATA_LOSS) or an array's chunk (zstd) does not decode.
+           "garbage": "cannot read the state: .*does not decode: ",
+           "one_garbage": "cannot read the state: .*does not decode: ",
+           "bad_json": r"cannot read the state: its file state/_METADATA is not JSON \(",
+           "tree": (r"its state is not the tree its meta lists: 1 arrays absent or of another "
+                    r"shape or dtype \(first: params/layers/w_in\)")}
+
+
+def garble(path):
+  """Overwrites the file `path` with as many random bytes."""
+  size = os.path.getsize(path)
+  with open(path, "wb") as f:
+    f.write(np.random.default_rng(0).bytes(size))
+
+
+def damage_state(step_dir, damage):
+  """Damages the state of the checkpoint `step_dir` as `damage` (a key of REASONS) says."""
+  state = os.path.join(step_dir, "state")
+  data_files = glob.glob(os.path.join(state, "**", "d", "*"), recursive=True)
+  if damage == "truncated":  # Every data file: which ones the arrays still use varies.
+    for path in data_files:
+      os.truncate(path, os.path.getsize(path) // 2)
+  elif damage == "garbage":
+    for path in data_files:
+      garble(path)
+  elif damage == "one_truncated":
+    os.truncate(largest_data_file(step_dir), os.path.getsize(largest_data_file(step_dir)) // 2)
+  elif damage == "one_missing":
+    os.remove(largest_data_file(step_dir))
+  elif damage == "one_garbage":
+    garble(largest_data_file(step_dir))
+  elif damage == "bad_json":  # Cut short.
+    os.truncate(os.path.join(state, "_METADATA"), 100)
+  elif damage == "tree":  # An index that lacks an array the meta lists.
+    with open(os.path.join(state, "_METADATA")) as f:
+      index = json.load(f)
+    del index["tree_metadata"]["('params', 'layers', 'w_in')"]
+    with open(os.path.join(state, "_METADATA"), "w") as f:
+      json.dump(index, f)
+  else:
+    os.remove(os.path.join(step_dir, MISSING[damage]))
 
 
 # Reads still in flight when the first one failed must end before their event loop:
@@ -156,12 +206,8 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
   if damage == "swapped":  # Intact files of another state: only the checksums see it.
     shutil.rmtree(os.path.join(step_2, "state"))
     shutil.copytree(os.path.join(tmp_path, "1", "state"), os.path.join(step_2, "state"))
-  elif damage == "truncated":  # Every data file: which ones the arrays still use varies.
-    for path in glob.glob(os.path.join(step_2, "state", "**", "d", "*"), recursive=True):
-      with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
   else:
-    os.remove(os.path.join(step_2, MISSING[damage]))
+    damage_state(step_2, damage)
   # A save killed before its commit (what SIGKILL mid-save leaves): never a checkpoint.
   shutil.copytree(os.path.join(tmp_path, "1"), os.path.join(tmp_path, "3.orbax-checkpoint-tmp"))
 
@@ -181,6 +227,88 @@ def test_damaged_checkpoint_is_skipped(tmp_path, damage):
   with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
     with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint"):
       ckpt.restore_latest(plan)
+
+
+def fail_reads_of(step, error, monkeypatch):
+  """Makes orbax's read of each array of checkpoint `step` raise `error`."""
+  read = serialization.async_deserialize
+
+  async def failing(sharding, spec, *args, **kwargs):
+    if f"{os.sep}{step}{os.sep}state{os.sep}" in str(spec):
+      raise error
+    return await read(sharding, spec, *args, **kwargs)
+
+  monkeypatch.setattr(serialization, "async_deserialize", failing)
+
+
+# Failures of a read of intact files: what the error says is the cause, nothing more. The
+# last is a short read as TensorStore words a truncated file: the files say otherwise.
+NOT_DAMAGE = {
+    "io_error": (OSError(errno.EIO, "Input/output error"), "OSError: Input/output error"),
+    "out_of_memory": (MemoryError(), "MemoryError"),
+    "short_read": (ValueError('OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database: '
+                              "Requested byte range [0, 49438) is not valid for value of size "
+                              "24719"), "ValueError: OUT_OF_RANGE: Error reading"),
+}
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("failure", NOT_DAMAGE)
+def test_a_failed_read_of_an_intact_checkpoint_moves_nothing(tmp_path, monkeypatch, failure):
+  """A flaky mount or a full host memory is no damage: restore_latest stops with one line
+  naming the cause and the checkpoint, touches no file, and the checkpoint resumes once
+  the read works again."""
+  error, says = NOT_DAMAGE[failure]
+  plan, state = new_state(steps=1)
+  messages = []
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    ckpt.save(1, state)
+    state, _ = compiled(3)[1](state, batch(5))
+    newest = host_bytes(state)
+    ckpt.save(2, state)
+  before = checkpoint_files(tmp_path)
+  fail_reads_of(2, error, monkeypatch)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    with pytest.raises(checkpoint.RestoreError) as e:
+      ckpt.restore_latest(plan)
+  assert str(e.value).startswith(f"checkpoint {tmp_path}/2: cannot read the state: {says}")
+  assert str(e.value).endswith("; its files show no damage, so it is left as it is: rerun "
+                               "once the cause is fixed")
+  assert "\n" not in str(e.value) and "tensorstore_spec" not in str(e.value)
+  assert messages == [] and checkpoint_files(tmp_path) == before  # Nothing moved or written.
+  monkeypatch.undo()  # The mount is back.
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=1, log=messages.append) as ckpt:
+    restored, meta = ckpt.restore_latest(plan)
+  assert meta["step"] == 2 and host_bytes(restored) == newest and messages == []
+
+
+def test_train_exits_8_when_a_restore_fails_and_moves_nothing(tmp_path, monkeypatch, capsys):
+  """train.py in this process, tiny shapes: checkpoints 1 and 2, then a rerun whose reads
+  of checkpoint 2 fail with an I/O error: one line, exits.RESTORE_FAILED, and no file of
+  the workdir touched but the rerun's metrics lines."""
+  args = ["--config", TINY, "--config.model.d_model=32", "--config.model.n_layers=1",
+          "--config.model.n_heads=2", "--config.model.n_kv_heads=1", "--config.model.d_ff=64",
+          "--config.model.attention_block=16", "--config.model.loss_chunk=16",
+          "--config.train.seq_len=16", "--config.train.global_batch_size=8",
+          "--config.train.steps=2", "--config.train.eval_every=0",
+          "--config.optimizer.warmup_steps=1", "--config.checkpoint.every_steps=1",
+          f"--config.workdir={tmp_path}"]
+  assert zerojax.train.main(args) == exits.DONE
+  before = checkpoint_files(tmp_path)
+  del before["metrics.jsonl"]  # The rerun's own lines (its setup) go there.
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  fail_reads_of(2, OSError(errno.EIO, "Input/output error"), monkeypatch)
+  capsys.readouterr()
+  assert zerojax.train.main(args) == exits.RESTORE_FAILED
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1] == (
+      f"error: checkpoint {tmp_path}/checkpoints/2: cannot read the state: OSError: "
+      "Input/output error; its files show no damage, so it is left as it is: rerun once the "
+      "cause is fixed"), err[-3000:]
+  assert "Traceback" not in err and "damaged" not in err
+  after = checkpoint_files(tmp_path)
+  del after["metrics.jsonl"]
+  assert after == before  # The checkpoints and config.json.
 
 
 def test_flipped_bytes_are_caught_or_harmless(tmp_path):

@@ -2,7 +2,7 @@
 
 A job runner that restarts on failure should restart on `STOPPED` (the run saved and
 wants to go on), on `HUNG` (the stacks printed say where it stuck) and on `PEER_LOST` /
-`SAVE_FAILED` once the cause is fixed; it should
+`SAVE_FAILED` / `RESTORE_FAILED` once the cause is fixed; it should
 not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
 
 | status | name | meaning |
@@ -15,10 +15,14 @@ not restart on `BAD_INPUT` or `NON_FINITE`, which fail the same way again.
 | 5 | `PEER_LOST` | another process of the run died or a collective failed |
 | 6 | `SAVE_FAILED` | a checkpoint could not be written (disk full, permission) |
 | 7 | `HUNG` | a process made no progress within `train.step_timeout` (every process) |
+| 8 | `RESTORE_FAILED` | a checkpoint whose files show no damage could not be read (c) |
 | 75 | `STOPPED` | saved and stopped before the last step (b); the same command resumes |
 
 (a) Also: the workdir is locked by another run; the step does not fit the host's memory.
 (b) SIGTERM, Ctrl-C or `--stop_after`. 75 is sysexits' EX_TEMPFAIL: "try again".
+(c) Out of host memory, an I/O error (a flaky network mount), a bug: the line names the
+    cause and the checkpoint, which is left as it is. A damaged checkpoint is not this:
+    it is moved aside and the one before resumes (zerojax/checkpoint).
 """
 
 DONE = 0
@@ -28,4 +32,5 @@ INIT_FAILED = 4
 PEER_LOST = 5
 SAVE_FAILED = 6
 HUNG = 7
+RESTORE_FAILED = 8
 STOPPED = 75

@@ -276,7 +276,8 @@ def restore_or_init(run: Run) -> zerojax.TrainState:
   """The newest intact checkpoint of the workdir, else the HF weights, else a fresh init.
 
   A damaged checkpoint is reported and skipped; a config that contradicts the one it was
-  saved with is a CheckpointError (exit 2).
+  saved with is a CheckpointError (exit 2); a restore that failed otherwise (out of memory,
+  an I/O error) is a RestoreError (exit 8), and no checkpoint is moved.
   """
   c, report, ckpt, built = run.config, run.report, run.ckpt, run.built
   restored = ckpt.restore_latest(built.plan, config=c) if ckpt else None
@@ -460,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
   except checkpoint.SaveError as e:  # Disk full, no permission: the line says which.
     print(f"error: {e}", file=sys.stderr, flush=True)
     return exits.SAVE_FAILED
+  except checkpoint.RestoreError as e:  # Out of memory, an I/O error: nothing was moved.
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return exits.RESTORE_FAILED
   except (data.DataError, checkpoint.CheckpointError, hf.HFError,
           workdir.WorkdirInUse) as e:  # Like a bad config: exit 2.
     # The message, no traceback.

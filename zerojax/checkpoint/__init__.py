@@ -14,6 +14,10 @@ config, and a checksum, shape and dtype per state leaf).
   every restore recomputes each leaf's checksum on the devices and compares it with
   the one taken at save time. `restore_latest` skips a damaged checkpoint with a
   message, moves it aside (`<step>.damaged`) and restores the one before.
+- **Only damage moves a checkpoint aside.** A failed read is damage only when the files
+  show it (`damage.find`: a missing or truncated file, bytes that do not decode, a tree
+  that is not the meta's); out of memory, an I/O error of a flaky mount or a bug of ours
+  is `RestoreError`, naming the cause and the checkpoint, and nothing on disk changes.
 - **Restore anywhere.** The state is read straight onto the shardings of any plan
   (`zerojax.abstract_state(plan)`): another mesh, device count or ZeRO stage.
 - **Restore after an upgrade.** Leaves are named by their keys, never by class names,
@@ -44,12 +48,17 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from zerojax import checksums, step as step_lib, zero
-from zerojax.checkpoint import layout, orbax_quirks
-from zerojax.checkpoint.errors import CheckpointError, DamagedCheckpointError, SaveError
+from zerojax.checkpoint import damage, layout, orbax_quirks
+from zerojax.checkpoint.errors import (
+  CheckpointError,
+  DamagedCheckpointError,
+  RestoreError,
+  SaveError,
+)
 from zerojax.config_schema import flatten
 
-__all__ = ["Checkpointer", "CheckpointError", "DamagedCheckpointError", "SaveError",
-           "check_compatible", "layout"]
+__all__ = ["Checkpointer", "CheckpointError", "DamagedCheckpointError", "RestoreError",
+           "SaveError", "check_compatible", "layout"]
 
 _policies = ocp.checkpoint_managers
 # How long `close` waits for orbax's write threads (a failed save's siblings) to end.
@@ -89,30 +98,33 @@ def check_compatible(meta: Mapping[str, Any], config: Any) -> None:
         "\n  ".join(diffs) + "\nuse the checkpoint's values, or start in a new workdir")
 
 
-# Files orbax (OCDBT layout) cannot read a checkpoint without. When a read fails, a
-# missing one is the cause to name: orbax calls a missing `_METADATA` a "pytree
-# structure error", and a missing manifest a missing array.
-_META_FILES = ("meta/metadata",)
-_STATE_FILES = ("state/_METADATA", "state/manifest.ocdbt")
-def _read(where: str, what: str, read: Callable[[], Any], needs: tuple[str, ...]) -> Any:
-  """`read()`; if it fails on any process, `DamagedCheckpointError` on every one.
+def _not_damaged(where: str, doing: str, cause: str) -> RestoreError:
+  return RestoreError(f"checkpoint {where}: cannot {doing}: {cause}; its files show no "
+                      "damage, so it is left as it is: rerun once the cause is fixed")
 
-  Processes read their own shards, so only some may fail; they must agree, or some
-  would go on to the checksums (collective) and wait for the others forever. `needs`:
-  files of `where` the read cannot do without, named if missing.
+
+def _read(where: str, what: str, read: Callable[[], Any]) -> Any:
+  """`read()`; if it fails on any process, the same error on every one.
+
+  `DamagedCheckpointError` if a process finds damage in the files (`damage.find`), whatever
+  failed on the others (a read that failed beside a damaged file, orbax's barrier);
+  else `RestoreError`. Processes read their own shards, so only some may fail; they
+  must agree, or some would go on to the checksums (collective) and wait forever.
   """
   try:
     value, error = read(), None
-  except Exception as e:  # pylint: disable=broad-except  (any failure = unreadable)
+  except Exception as e:  # pylint: disable=broad-except  (classified by the files)
     value, error = None, e
-  ok = error is None
+  found = damage.find(where, error) if error else None
+  outcome = 2 if found else 1 if error else 0  # Damaged, failed, read: the worst wins.
   if jax.process_count() > 1:
-    ok = bool(multihost_utils.process_allgather(np.array(ok)).all())
-  if not ok:
-    missing = [f for f in needs if not os.path.exists(os.path.join(where, f))]
-    cause = (f"its file {missing[0]} is missing" if missing else
-             orbax_quirks.cause(error, where) if error else "failed on another process")
-    raise DamagedCheckpointError(f"{where}: cannot read {what}: {cause}") from error
+    outcome = int(multihost_utils.process_allgather(np.array(outcome)).max())
+  if outcome == 2:
+    raise DamagedCheckpointError(f"{where}: cannot read {what}: "
+                                 f"{found or 'another process found it damaged'}") from error
+  if outcome == 1:
+    raise _not_damaged(where, f"read {what}", damage.failure(error, where) if error else
+                       "it failed on another process") from error
   return value
 
 
@@ -269,9 +281,11 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> dict:
     """Checkpoint `step`'s JSON meta (no array is read)."""
-    meta = _read(self._path(step), "its meta", lambda: self._manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta, _META_FILES)
-    _read(self._path(step), "its meta", lambda: dict(meta["leaves"]), _META_FILES)
+    where = self._path(step)
+    meta = _read(where, "its meta", lambda: self._manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    if not isinstance(meta, dict) or not isinstance(meta.get("leaves"), dict):
+      raise DamagedCheckpointError(f"{where}: cannot read its meta: it lists no leaves")
     return meta
 
   def check_config(self, config: Any) -> None:
@@ -303,8 +317,21 @@ class Checkpointer:
     Raises:
       CheckpointError: the config or the target's leaves do not match the checkpoint
         (one line naming both zerojax versions, for the leaves).
-      DamagedCheckpointError: unreadable files or failed checksums.
+      DamagedCheckpointError: missing, truncated or undecodable files, a state tree
+        that is not the meta's, or failed checksums.
+      RestoreError: anything else failed (out of memory, an I/O error, a bug): the
+        checkpoint may well be intact.
     """
+    try:
+      return self._restore(step, target, config)
+    except (CheckpointError, RestoreError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (the checksums' OOM, a bug)
+      where = self._path(step)
+      raise _not_damaged(where, "restore it", damage.failure(e, where)) from e
+
+  def _restore(self, step: int, target: zero.ZeroPlan | step_lib.TrainState,
+               config: Any) -> tuple[step_lib.TrainState, dict]:
     if isinstance(target, zero.ZeroPlan):
       target = step_lib.abstract_state(target)
     where, meta = self._path(step), self.read_meta(step)
@@ -315,16 +342,21 @@ class Checkpointer:
       raise CheckpointError(error)  # Before reading any data: a changed state is not damage.
     reads = {saved.leaves[k].disk: x for k, x in wanted.items() if saved.leaves[k].disk}
     written = _read(where, "the state", lambda: ocp.StandardCheckpointHandler().metadata(
-        epath.Path(where) / "state").tree, _STATE_FILES)
+        epath.Path(where) / "state").tree)
+    disk, on_disk = {x.disk: x for x in saved.leaves.values() if x.disk}, layout.names(written)
+    odd = [k for k in reads if k not in on_disk or (tuple(on_disk[k].shape), str(
+        on_disk[k].dtype)) != (tuple(disk[k].shape), disk[k].dtype)]
+    if odd:  # Both written by the same save: one of them is not what was written.
+      raise DamagedCheckpointError(
+          f"{where}: its state is not the tree its meta lists: {len(odd)} arrays absent or "
+          f"of another shape or dtype (first: {odd[0]})")
     ask = jax.tree_util.tree_map_with_path(lambda path, _: (
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if (x := reads.get(layout.name(path))) is not None else ocp.PLACEHOLDER), written)
     got = _read(where, "the state", lambda: layout.names(self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(ask))).state),
-                _STATE_FILES)
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(ask))).state))
     got = {k: x for k, x in got.items() if k in reads}  # Without the skipped leaves.
     sums = checksums.describe(got, name=lambda path: path[0].key)
-    disk = {x.disk: x for x in saved.leaves.values() if x.disk}
     bad = [k for k, (_, _, c) in sums.items() if c != disk[k].checksum]
     if bad:
       raise DamagedCheckpointError(
@@ -340,11 +372,12 @@ class Checkpointer:
 
     A damaged checkpoint is reported through `log`, moved aside to `<step>.damaged`
     (kept for inspection, out of the way of the steps to come) and the next older one
-    is tried.
+    is tried. Any other failure stops here, with nothing moved.
 
     Raises:
       CheckpointError: the config or target does not match (see `restore`), or
         checkpoints exist and none of them is intact.
+      RestoreError: a restore failed for another reason than damage (see `restore`).
     """
     damaged = []
     for step in reversed(self.all_steps()):

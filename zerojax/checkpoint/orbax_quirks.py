@@ -26,20 +26,31 @@ _TRUNCATED = re.compile(r'local file "([^"]+)": Requested byte range \[\d+, (\d+
                         r"is not valid for value of size (\d+)")
 
 
+def chain(error: BaseException) -> list[BaseException]:
+  """`error` and the exceptions it was raised from or while handling, outermost first."""
+  errors = [error]
+  while (e := errors[-1].__cause__ or errors[-1].__context__) and e not in errors:
+    errors.append(e)
+  return errors
+
+
+def os_error(text: str) -> int | None:
+  """The errno TensorStore's message `text` annotates, if any."""
+  m = _OS_ERROR.search(text)
+  return int(m[1]) if m else None
+
+
 def cause(error: BaseException, where: str) -> str:
   """Why orbax or TensorStore failed, in one short line (paths relative to `where`)."""
-  chain = [error]
-  while chain[-1].__cause__ or chain[-1].__context__:
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-  for e in chain:
+  for e in chain(error):
     if isinstance(e, OSError) and e.strerror:
       return e.strerror + (f": {e.filename}" if e.filename else "")
   text = str(error).strip() or type(error).__name__
   if m := _TRUNCATED.search(text):
     name = os.path.relpath(m[1], where) if m[1].startswith(where + os.sep) else m[1]
     return f"file {name} is truncated ({m[3]} bytes of at least {m[2]})"
-  if m := _OS_ERROR.search(text):
-    return os.strerror(int(m[1]))
+  if (code := os_error(text)) is not None:
+    return os.strerror(code)
   return _ANNOTATIONS.sub("", text.splitlines()[0])
 
 
