@@ -19,9 +19,12 @@ from zerojax import build, memory_report, train
 from zerojax.config import ConfigError, load_config
 from zerojax.generate import cache, decode
 from zerojax.gpu import compile as gpu_compile, fit, targets
+from zerojax.streaming import schedule
 from zerojax.testing import hlo
+from zerojax.units import fmt_bytes
 
 from test_gpu_targets import compile_config, stack_shards
+from test_memory_claims import planned
 
 pytestmark = pytest.mark.skipif(
     not targets.plugin_installed(),
@@ -30,6 +33,14 @@ pytestmark = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 RECIPE = os.path.join(ROOT, "configs", "70b_8x80gb.py")
+ADAMW_OFFLOAD = ["optimizer.name=adamw", "optimizer.b2=0.95", "optimizer.offload=host"]
+# README: the planner over-plans the offload and long-sequence configs by 7-45% (planner /
+# GPU-compiled 1.07-1.45, two decimals), where the calibrated configs are 0.93-1.04.
+OVER = ("1.07", "1.45")
+
+
+def over_planned(planner, compiled):
+  return OVER[0] <= f"{planner / compiled:.2f}" <= OVER[1]
 SFT_RECIPE = os.path.join(ROOT, "configs", "70b_sft_8x80gb.py")
 
 
@@ -78,19 +89,24 @@ def test_a_missing_plugin_is_an_exit_2_naming_the_install(monkeypatch, capsys):
 
 
 def test_the_70b_recipe_fits_8_h100s_by_the_gpu_compiler(capsys):
-  """The issue's first check: XLA GPU's total <= 70 GiB, "fits", planner within 5%."""
+  """The README's 70B recipe on 8 x H100, to the digits it states: planned 65.35 GiB,
+  compiled 62.58 GiB (planner / GPU 1.04), fits; without the flag profile 62.72 GiB
+  against 58.99 GiB at JAX's 0.75: does NOT fit."""
   status = memory_report.main(["--config", RECIPE, "--target", "h100:8", "--compile",
                                "--json"])
   out = json.loads(capsys.readouterr().out)
   compiled = out["compiled"]["arguments"] + out["compiled"]["temporaries"]
   assert status == 0 and out["fits"] and out["target"] == "h100:8"
-  assert compiled <= 70 * GIB
-  assert abs(out["total"] / compiled - 1) <= 0.05, (out["total"], compiled)
+  assert (fmt_bytes(out["total"]), fmt_bytes(compiled)) == ("65.35 GiB", "62.58 GiB")
+  assert f"{out['total'] / compiled:.2f}" == "1.04"
   # Without the flag profile the same step does not fit: the profile is what fits it.
   status = memory_report.main(["--config", RECIPE, "--target", "h100:8", "--compile",
                                "--config.xla.gpu_profile=False"])
   text = capsys.readouterr().out
-  assert status == 1 and "XLA's GPU compiler" in text and "does NOT fit" in text
+  assert status == 1 and "does NOT fit" in text
+  assert "58.99 GiB per device" in text, text
+  assert re.search(r"XLA's GPU compiler \(.*\): 62\.72 GiB per device; verdict: does NOT fit",
+                   text), text
 
 
 def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s():
@@ -98,11 +114,15 @@ def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s()
   bytes reported), and each layer's slices moved by asynchronous starts and dones inside
   release's backward loop, read one layer ahead (counted; what they overlap is in
   WORKSPACE)."""
-  config, built, out = compile_config("70b_8x80gb", [
-      "optimizer.name=adamw", "optimizer.b2=0.95", "optimizer.offload=host"], "h100:8")
+  config, built, out = compile_config("70b_8x80gb", ADAMW_OFFLOAD, "h100:8")
   mem = out.memory
-  assert mem["arguments"] + mem["temporaries"] <= 40 * GIB
-  assert mem["host_arguments"] > 45 * GIB  # mu, nu and the Kahan buffer: 49.28 GiB.
+  # The README's row: 30.83 GiB + 49.28 GiB of host memory (mu, nu and the Kahan
+  # buffer), planned 32.50 GiB + 49.28 GiB, 394 GiB of host memory a node.
+  assert fmt_bytes(mem["arguments"] + mem["temporaries"]) == "30.83 GiB", mem
+  assert fmt_bytes(mem["host_arguments"]) == "49.28 GiB", mem
+  e, _ = planned(RECIPE, ADAMW_OFFLOAD)
+  assert (fmt_bytes(e.total), fmt_bytes(e.host_total)) == ("32.50 GiB", "49.28 GiB")
+  assert f"{8 * mem['host_arguments'] / GIB:.0f}" == f"{e.host_per_node / GIB:.0f}" == "394"
   moves = hlo.host_moves(out.hlo)
   layer = [m for m in moves if m.shape[1][:1] == (1,)]
   body = {m.computation for m in layer if not m.computation.startswith("main")}
@@ -119,13 +139,15 @@ def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s()
 
 def test_train_dry_run_compiles_for_a_target(capsys):
   """The 70B chat fine-tune (configs/70b_sft_8x80gb.py: packed SFT rows under gradient
-  release) through train.py's dry run for 8 x H100: at most 70 GiB a device."""
+  release) through train.py's dry run for 8 x H100: 62.56 GiB a device (the README's
+  figure; the planner 65.35 GiB)."""
   assert train.main(["--config", SFT_RECIPE, "--dry_run", "--target", "h100:8"]) == 0
   text = capsys.readouterr().out
   assert "NVIDIA H100 80GB HBM3" in text and "XLA's GPU compiler" in text
   assert "verdict: fits" in text and "packed" in text
   (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
-  assert float(total) <= 70, total
+  assert total == "62.56", total
+  assert fmt_bytes(planned(SFT_RECIPE)[0].total) == "65.35 GiB"
   with pytest.raises(SystemExit) as stop:  # A target is compiled for, never trained on.
     train.main(["--config", RECIPE, "--target", "h100:8"])
   assert stop.value.code == 2
@@ -134,8 +156,8 @@ def test_train_dry_run_compiles_for_a_target(capsys):
 def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
   """configs/70b_256k_8x80gb.py through train.py's dry run for 8 x H100: one 262,144-token
   sequence over the 8 devices (sequence parallelism), the layer inputs in host memory:
-  at most 70 GiB a device, and the host temporaries are the 80 layers' inputs, [32768,
-  8192] bf16 each, as reported."""
+  64.63 GiB a device (the README's figure), and the host temporaries are the 80 layers'
+  inputs, [32768, 8192] bf16 each (40.00 GiB, 320 GiB a node), as reported."""
   path = os.path.join(ROOT, "configs", "70b_256k_8x80gb.py")
   # The default corpus's held-out split must hold one 262,145-token row.
   assert train.main(["--config", path, "--dry_run", "--target", "h100:8",
@@ -143,8 +165,10 @@ def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
   text = capsys.readouterr().out
   assert "verdict: fits" in text
   (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)
-  assert float(total) <= 70, total
+  assert total == "64.63", total
   assert "saved activations 40.00 GiB in host memory" in text
+  e, _ = planned(path)
+  assert fmt_bytes(e.host_per_node) == "320.00 GiB" and over_planned(e.total, 64.63 * GIB)
   # The saved inputs' reads back, as train.py reads the schedule (streaming.schedule).
   assert re.search(r"host copies in the layer loops: \d+ to the device in 1 loop body, "
                    r"\d+% of their bytes with compute scheduled under them", text), text
@@ -153,29 +177,55 @@ def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
 def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
   """configs/8b_4m_8x80gb.py compiled for 8 x H100: one 4,194,304-token sequence over the
   8 devices, the layer inputs in host memory (32 x [524288, 4096] bf16), the MLP in tiles
-  of 32,768 positions: at most 70 GiB a device."""
+  of 32,768 positions: 61.05 GiB a device (the README's figure), 128.00 GiB of host
+  memory (1.00 TiB a node)."""
   config, _, out = compile_config("8b_4m_8x80gb", [], "h100:8")
   mem = out.memory
   assert config.train.seq_len == 4_194_304
-  assert mem["arguments"] + mem["temporaries"] <= 70 * GIB, mem
-  assert mem["host_temporaries"] == 32 * 524_288 * 4096 * 2
+  assert fmt_bytes(mem["arguments"] + mem["temporaries"]) == "61.05 GiB", mem
+  e, _ = planned("8b_4m_8x80gb")
+  assert over_planned(e.total, mem["arguments"] + mem["temporaries"])
+  assert mem["host_temporaries"] == 32 * 524_288 * 4096 * 2 == 128 * GIB
 
 
-@pytest.mark.parametrize("name, target, params_on_host", [
-    ("70b_8x4090", "rtx4090:8", True), ("70b_8xl40s", "l40s:8", False),
-    ("8b_1x4090", "rtx4090:1", True)])
-def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, target,
-                                                                         params_on_host):
+# The README's small-card table, each row as it states it: per device (pool), host a
+# device / a node, PCIe bytes a step, their time at 25 GB/s, the compute at 40% MFU, and
+# the share of the layer loops' host copies with compute scheduled under them.
+SMALL_CARDS = {
+    "70b_8x4090": ("rtx4090:8", True, "14.80 GiB", "21.84 GiB", "48.79 GiB", "390 GiB",
+                   "121.9 GB", "2.78 s", "26.85 s", "43%"),
+    "70b_8xl40s": ("l40s:8", False, "30.25 GiB", "41.79 GiB", "32.85 GiB", "263 GiB",
+                   "70.6 GB", "1.41 s", "12.25 s", "32%"),
+    "8b_1x4090": ("rtx4090:1", True, "12.77 GiB", "21.84 GiB", "57.87 GiB", None,
+                  "138.2 GB", "3.04 s", "2.99 s", "61%"),
+}
+
+
+@pytest.mark.parametrize("name", SMALL_CARDS)
+def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, capsys):
   """The parameter-offload issue's recipes compiled by XLA's GPU compiler for their cards:
   device bytes within the allocator's pool as train.py runs them (the card's memory less
   the CUDA context, times train.py's memory fraction), host memory at most 1 TiB a node,
   and exactly the plan's host-resident state (the layer shards with param offload, the
-  optimizer's mirrors) as the module's host arguments."""
+  optimizer's mirrors) as the module's host arguments; every figure of the README's row."""
+  target, params_on_host, *row = SMALL_CARDS[name]
   spec = targets.parse(target)
   config, built, out = compile_config(name, [], target, devices=jax.devices()[:spec.devices])
   mem = out.memory
   pool = targets.budget(spec.target, targets.memory_fraction(config, {}))
   assert mem["arguments"] + mem["temporaries"] <= pool, (mem, pool)
+  path = os.path.join(ROOT, "configs", f"{name}.py")
+  memory_report.main(["--config", path, "--target", target, "--json"])  # The planner's bus.
+  plan = json.loads(capsys.readouterr().out)
+  bus = plan["pcie"]
+  assert over_planned(plan["total"], mem["arguments"] + mem["temporaries"])
+  node = mem["host_arguments"] * min(spec.devices, 8)
+  found = [fmt_bytes(mem["arguments"] + mem["temporaries"]), fmt_bytes(pool),
+           fmt_bytes(mem["host_arguments"]), f"{node / GIB:.0f} GiB" if spec.devices > 1 else None,
+           f"{(bus['h2d'] + bus['d2h']) / 1e9:.1f} GB", f"{bus['seconds']:.2f} s",
+           f"{bus['compute_seconds']:.2f} s",
+           re.search(r"(\d+%) of their bytes", schedule.overlap_line(out.hlo)).group(1)]
+  assert found == row
   state = zerojax.abstract_state(built.plan)
   host = sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape))
              for x in jax.tree.leaves((state.params, state.opt_state))
@@ -192,6 +242,11 @@ def test_fit_finds_a_recipe_for_8_a100_40gb_and_the_compiler_agrees():
   assert row.change is not None and "optimizer.offload=host" in row.overrides
   budget = targets.budget(targets.load("a100_40gb"), 0.95)
   assert row.compiled <= budget and row.host_per_node > 0
+  # The README's figures: 37.05 GiB for XLA, planner 32.50 GiB, XLA's GPU compiler 31.17
+  # GiB + 49.28 GiB of host memory a device (394 GiB a node).
+  assert [fmt_bytes(x) for x in (budget, row.planner, row.compiled, row.host_per_node / 8)] == [
+      "37.05 GiB", "32.50 GiB", "31.17 GiB", "49.28 GiB"]
+  assert f"{row.host_per_node / GIB:.0f}" == "394"
   text = fit.format_rows([row], "configs/70b_bf16.py")
   assert "a100_40gb" in text and "--config.optimizer.release=True" in text
   assert jax.device_count() == 8
@@ -201,8 +256,8 @@ def test_the_70b_decodes_on_its_training_mesh_one_layer_gathered_at_a_time():
   """configs/70b_sft_8x80gb.py's params as training holds them (stage 3 over 8 H100s), the
   KV-cached decoder gathering one layer per step (`gather='layer'`), 64 rows x 1024
   positions, compiled by XLA's GPU compiler: the params' shard (16.43 GiB) + the cache
-  (2.5 GiB a device, batch-sharded) + one layer's working set, <= 30 GiB (25.21
-  measured), and no relaid copy of a whole layer stack (two of the MLP's, 8.75 GiB,
+  (2.5 GiB a device, batch-sharded) + one layer's working set: 25.21 GiB (the README's
+  figure), and no relaid copy of a whole layer stack (two of the MLP's, 8.75 GiB,
   before the stacks went through the loop as rows)."""
   spec = targets.parse("h100:8")
   config = load_config(SFT_RECIPE, num_devices=spec.devices)
@@ -211,7 +266,7 @@ def test_the_70b_decodes_on_its_training_mesh_one_layer_gathered_at_a_time():
   out = gpu_compile.compile_jitted(program, decode.abstract_inputs(built.plan, 64, 512, 1024),
                                    built.mesh, spec, gpu_compile.profile_options(config))
   mem = out.memory
-  assert mem["arguments"] + mem["temporaries"] <= 30 * GIB, mem
+  assert fmt_bytes(mem["arguments"] + mem["temporaries"]) == "25.21 GiB", mem
   assert cache.cache_bytes(built.model.config, 64, 1024, 8) == 2.5 * GIB
   shards = stack_shards(built.plan)
   relaid = {",".join(p) for dims in shards for p in itertools.permutations(dims.split(","))}
