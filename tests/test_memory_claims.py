@@ -8,6 +8,7 @@ stale fails; the compiled column is the record's (README "Claims" says which are
 
 import json
 import os
+import re
 
 import pytest
 
@@ -143,9 +144,27 @@ def test_the_8b_longest_sequence_on_8_h100s():
   assert stated(found.total, "74.60 GiB") == "74.60 GiB"
 
 
-def test_the_8b_on_one_4090_is_bus_bound_at_4096_tokens(capsys):
-  """README: "bus-bound at 4096 tokens (1.0x)"; 3.04 s of PCIe against 2.99 s of compute."""
-  memory_report.main(["--config", os.path.join(ROOT, "configs", "8b_1x4090.py"), "--target",
-                      "rtx4090:1", "--json"])
+@pytest.mark.parametrize("name, target, ratio, bound", [
+    ("8b_1x4090", "rtx4090:1", "1.0", True), ("70b_8x4090", "rtx4090:8", "0.1", False)])
+def test_the_bus_against_the_compute(name, target, ratio, bound, capsys):
+  """README: the 8B on one 4090 is "bus-bound at 4096 tokens (1.0x)" (3.04 s of PCIe
+  against 2.99 s of compute); the 70B on 4090s "hidden behind compute (0.1x)"."""
+  memory_report.main(["--config", os.path.join(ROOT, "configs", f"{name}.py"), "--target",
+                      target, "--json"])
   pcie = json.loads(capsys.readouterr().out)["pcie"]
-  assert f"{pcie['ratio']:.1f}" == "1.0" and pcie["ratio"] > 1
+  assert f"{pcie['ratio']:.1f}" == ratio and (pcie["ratio"] > 1) == bound
+
+
+def test_every_test_the_claims_table_names_exists():
+  """README "Claims": each `file.py::test_name` (or `::test_name`, of the file before it)
+  is a test function in tests/, so the table cannot point at a test that is gone."""
+  with open(os.path.join(ROOT, "README.md")) as f:
+    section = f.read().split("\n## Claims\n", 1)[1].split("\n## ", 1)[0]
+  named, file = [], None
+  for found, name in re.findall(r"`(test_\w+\.py)?::(test_\w+)`", section):
+    file = found or file
+    named.append((file, name))
+  assert len(named) >= 30, named
+  for file, name in named:
+    with open(os.path.join(ROOT, "tests", file)) as f:
+      assert re.search(rf"^def {name}\(", f.read(), re.M), f"{file}::{name}"
