@@ -10,9 +10,12 @@
 
 import contextlib
 import os
+import re
 import secrets
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -20,7 +23,7 @@ import types
 import pytest
 
 import zerojax.train
-from zerojax import exits, peers
+from zerojax import exits, peers, watchdog
 from zerojax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +199,65 @@ def test_the_peer_watch_believes_only_a_hello_that_proves_the_secret(peer_watch,
                      "announced process 1 without proving the run's secret",
                      "announced process 2 without proving the run's secret",
                      "closed before its hello"], refused
+
+
+def test_the_watchdog_default_is_ten_medians_of_the_first_five_steps_at_least_300_s():
+  assert watchdog.derived_timeout([40, 50, 30, 60, 35]) == 400  # 10 x 40.
+  assert watchdog.derived_timeout([1, 2, 3, 4, 100]) == 300  # 10 x 3 < the floor.
+  assert watchdog.derived_timeout([0.1, 0.2, 0.3, 0.4, 50], floor=1) == 3
+  assert watchdog.derived_timeout([1, 1, 1, 1, 1, 1000]) == 300  # Only the first five.
+  with pytest.raises(ValueError, match="4 step intervals: the timeout needs 5"):
+    watchdog.derived_timeout([1, 2, 3, 4])
+  # train.step_timeout=0: nothing watched until five steps have been timed (six marks).
+  dog = watchdog.Watchdog(0)
+  try:
+    for step in range(1, 7):
+      assert dog.timeout is None
+      dog.mark(f"step {step}", step=True)
+    assert dog.timeout == 300
+  finally:
+    dog.close()
+
+
+# train.py's loop with train.step_timeout=0, steps of 0.2 s, a floor of 0.5 s (the default,
+# 300 s, is too long for a test), and process 0 stuck at the start of step 7 (the hook
+# the loop calls, `watchdog.test_stall`).
+STALLED_LOOP = """
+import time
+from zerojax import watchdog
+dog = watchdog.Watchdog(0, floor=0.5)
+for step in range(1, 10):
+  dog.mark(f"step {step} (data, dispatch, or waiting on the device)", step=True)
+  if step == 6:  # Five intervals timed: the timeout is known.
+    print("timeout", dog.timeout, *dog._steps, flush=True)
+  watchdog.test_stall(0, step)
+  time.sleep(0.2)
+"""
+
+
+def test_the_default_watchdog_timeout_fires_on_a_stalled_step():
+  """Five steps set the timeout (10 x 0.2 s: about 2 s, above the floor); the stalled
+  step ends the process with status 7 (HUNG) after about that long, with its phase and
+  the stack of the stuck thread. Without the derived timeout nothing is watched and the
+  process waits forever (here: 60 s, then a failure)."""
+  proc = subprocess.Popen([sys.executable, "-c", STALLED_LOOP], cwd=REPO, text=True,
+                          env=dict(os.environ, ZEROJAX_TEST_STALL="0:7"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  try:
+    out, err = proc.communicate(timeout=60)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, err = proc.communicate()
+  assert proc.returncode == exits.HUNG, (out, err[-3000:])
+  (line,) = [x for x in out.splitlines() if x.startswith("timeout ")]
+  timeout, *intervals = map(float, line.split()[1:])
+  assert timeout == watchdog.derived_timeout(intervals, 0.5) > 1.9, (timeout, intervals)
+  waited = int(re.search(r"error: process 0 made no progress for (\d+) s in step 7 ", err)[1])
+  # Checked every second; a loaded machine adds a little.
+  assert timeout - 0.5 <= waited <= timeout + 1 + 3, (waited, timeout)
+  assert ("in step 7 (data, dispatch, or waiting on the device) (train.step_timeout: "
+          f"{timeout:.0f} s); every thread's stack:") in err, err[-3000:]
+  assert "in test_stall" in err
+  assert err.rstrip().endswith("error: process 0 is hung (step 7 (data, dispatch, or waiting "
+                               "on the device)): the run stops; the last committed checkpoint "
+                               "resumes"), err[-3000:]

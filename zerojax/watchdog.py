@@ -23,6 +23,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 from zerojax import exits, peers
 
@@ -32,18 +33,29 @@ MIN_TIMEOUT = 300.0
 _STALL_ENV = "ZEROJAX_TEST_STALL"  # "process:step": a test's stuck process (`test_stall`).
 
 
+def derived_timeout(intervals: Sequence[float], floor: float = MIN_TIMEOUT) -> float:
+  """train.step_timeout=0's timeout: `FACTOR` x the median of the first `MEASURED` step
+  intervals (seconds), at least `floor`: an evaluation or a save between steps takes longer
+  than a step and is no hang."""
+  if len(intervals) < MEASURED:
+    raise ValueError(f"{len(intervals)} step intervals: the timeout needs {MEASURED}")
+  return max(floor, FACTOR * statistics.median(intervals[:MEASURED]))
+
+
 class Watchdog:
   """Marks of progress and the thread that checks them (one per process).
 
   Args:
     timeout: seconds without a mark that count as a hang; 0: derived from the first
-      step intervals (module docstring).
+      step intervals (`derived_timeout`).
     process_id: this process's index, for the messages.
+    floor: the derived timeout's least value (a test's is shorter).
   """
 
-  def __init__(self, timeout: float, process_id: int = 0):
+  def __init__(self, timeout: float, process_id: int = 0, *, floor: float = MIN_TIMEOUT):
     self.timeout = timeout or None
     self.process_id = process_id
+    self.floor = floor
     self.phase, self.since, self.watched = "start", time.monotonic(), False
     self._steps: list[float] = []
     self._lock = threading.Lock()
@@ -58,7 +70,7 @@ class Watchdog:
       if step and self.phase.startswith("step") and len(self._steps) < MEASURED:
         self._steps.append(now - self.since)
         if self.timeout is None and len(self._steps) == MEASURED:
-          self.timeout = max(MIN_TIMEOUT, FACTOR * statistics.median(self._steps))
+          self.timeout = derived_timeout(self._steps, self.floor)
       self.phase, self.since, self.watched = phase, now, watched
 
   def close(self) -> None:
