@@ -231,6 +231,63 @@ def test_launcher_passes_75_through_without_killing_the_others():
   assert "[2] saved" not in failed.stdout  # Stopped (SIGTERM) before it got there.
 
 
+def test_launcher_passes_sigterm_to_every_process_and_a_second_one_kills():
+  """A SIGTERM to the launcher reaches each child once; children that save and exit 75
+  make the launcher exit 75, naming each status. A child that goes on after it is
+  SIGKILLed by a second SIGTERM, and the launcher says so: exit 137, not 75 (saved)."""
+  script = ("import os, signal, sys, time\n"
+            "rank = int(os.environ['ZEROJAX_PROCESS_ID'])\n"
+            "def stop(signum, frame):\n"
+            "  print('got', signal.Signals(signum).name, flush=True)\n"
+            "  if rank == 0 or sys.argv[1] == 'all':\n"
+            "    sys.exit(75)\n"  # Saved and stopped; else it trains on.
+            "signal.signal(signal.SIGTERM, stop)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+
+  def launch(who: str, signals: int) -> tuple[int, list[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--",
+                             sys.executable, "-c", script, who], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines, changed = [], threading.Condition()
+
+    def read():
+      for line in proc.stdout:
+        with changed:
+          lines.append(line.strip())
+          changed.notify_all()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+      for want in (["[0] ready", "[1] ready"], ["[0] got SIGTERM", "[1] got SIGTERM"])[:signals]:
+        with changed:
+          assert changed.wait_for(lambda w=want: set(w) <= set(lines), timeout=30), lines
+        if want[0].endswith("SIGTERM"):  # Process 0's exit 75 is reaped before the SIGKILL.
+          children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+          deadline = time.monotonic() + 30
+          while len(open(children).read().split()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+      proc.wait(timeout=30)
+      reader.join(timeout=5)
+      err = proc.stderr.read()
+    finally:
+      proc.kill()
+    return proc.returncode, sorted(lines), err
+
+  status, lines, err = launch("all", 1)
+  assert status == exits.STOPPED, err
+  assert lines == ["[0] got SIGTERM", "[0] ready", "[1] got SIGTERM", "[1] ready"]
+  assert "[launch] SIGTERM: SIGTERM to every process (again: SIGKILL)" in err
+  assert ("[launch] exit statuses: process 0: status 75 (STOPPED), process 1: status 75 "
+          "(STOPPED)") in err
+  status, lines, err = launch("rank 0", 2)
+  assert status == 128 + signal.SIGKILL, err
+  assert lines == ["[0] got SIGTERM", "[0] ready", "[1] got SIGTERM", "[1] ready"]
+  assert "[launch] SIGTERM: SIGKILL" in err
+  assert "[launch] exit statuses: process 0: status 75 (STOPPED), process 1: signal SIGKILL" in err
+
+
 def kill_when(proc: subprocess.Popen, seen, timeout: float = 300) -> list[str]:
   """SIGKILLs `proc` once `seen(lines)` holds for its stdout lines so far (or at the
   timeout); returns the lines."""

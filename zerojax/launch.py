@@ -7,14 +7,16 @@ and `ZEROJAX_PROCESS_ID` (what `zerojax.distributed` reads); `--devices_per_proc
 also gives each M fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=M`,
 `JAX_PLATFORMS=cpu`). Every output line is prefixed with `[rank]`. A SIGINT (Ctrl-C) or
 SIGTERM reaches every process as SIGTERM (train.py saves and stops, all at the same step);
-a second one kills them. When one exits non-zero the others get SIGTERM, then SIGKILL
-after `--grace` seconds; the launcher names the first process to fail (one that exited
-with `exits.PEER_LOST` saw another die first, so that other one counts), lists every
-process's status and exits with the first failure's (128 + the signal for a process
-killed by one). Status 75 (`exits.STOPPED`: saved, stopped early, e.g. on SIGTERM) is
-not a failure: the launcher waits for the others (train.py's processes all stop at the
-same step, and may still be saving). Once all have ended without a failure it exits
-with 75 if any stopped early, else 0.
+a second one kills them (then, as when one fails while stopping, the launcher lists every
+process's status and exits with the first that did not stop cleanly: 137 for SIGKILL).
+When one exits non-zero the others get SIGTERM, then SIGKILL after `--grace` seconds;
+the launcher names the first process to fail (one that exited with `exits.PEER_LOST` saw
+another die first, so that other one counts), lists every process's status and exits
+with the first failure's (128 + the signal for a process killed by one). Status 75
+(`exits.STOPPED`: saved, stopped early, e.g. on SIGTERM) is not a failure: the launcher
+waits for the others (train.py's processes all stop at the same step, and may still be
+saving). Once all have ended without a failure it exits with 75 if any stopped early
+(after listing every process's status), else 0.
 """
 
 import argparse
@@ -114,6 +116,8 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
   for rank, p in enumerate(procs):
     threading.Thread(target=lambda r=rank, q=p: (q.wait(), exited.put(r)), daemon=True).start()
   fine = (exits.DONE, exits.STOPPED)  # Finished, or saved and stopped early: not failures.
+  statuses = lambda: "exit statuses: " + ", ".join(f"process {r}: {describe(p.returncode)}"
+                                                   for r, p in enumerate(procs))
   failed = lambda r: procs[r].returncode not in fine
   try:
     order = []
@@ -128,8 +132,11 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
     if failures and signals:  # Stopped by the user: every process is on its way out.
       for p in procs:
         p.wait()
-      order += [r for r in range(nproc) if r not in order]
-      failures = []
+      for t in threads:
+        t.join(timeout=5)
+      log(statuses())
+      # Not 75 (saved): one was killed (the second signal) or failed while stopping.
+      return status(procs[failures[0]].returncode)
     if failures:
       # A process that exited PEER_LOST saw another die: that one is the cause.
       first = next((r for r in failures if procs[r].returncode != exits.PEER_LOST), failures[0])
@@ -148,11 +155,12 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
           p.wait()
       for t in threads:
         t.join(timeout=5)
-      log("exit statuses: " + ", ".join(f"process {r}: {describe(p.returncode)}"
-                                        for r, p in enumerate(procs)))
+      log(statuses())
       return status(procs[first].returncode)
     for t in threads:
       t.join(timeout=5)
+    if any(p.returncode for p in procs):  # Some stopped early: which, and whether all did.
+      log(statuses())
     return exits.STOPPED if exits.STOPPED in [p.returncode for p in procs] else exits.DONE
   finally:
     for s, handler in previous.items():
