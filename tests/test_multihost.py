@@ -18,6 +18,7 @@ Every subprocess is bounded by a timeout; coordinator ports come from binding po
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -233,6 +234,43 @@ def test_a_one_process_checkpoint_resumes_on_two_hybrid_stage_1(runs):
   assert_close(losses(runs["root"] / "two"), losses(runs["root"] / "ref"), range(11, 21))
 
 
+def test_sigterm_stops_every_process_after_one_step_and_the_resume_is_exact(runs, tmp_path):
+  """SIGTERM to process 1 only of a launched 2 x 4 run of the `killed` run's config, after
+  step 3 (one host's preemption notice; the launcher's own SIGTERM reaches every process,
+  test_faults.py): both processes stop after the same step s (JAX's preemption sync
+  point), save checkpoint s together and exit 75 (STOPPED); so does the launcher. The
+  same command with train.steps=10 resumes from s, and every step and checkpoint 10 are
+  the uninterrupted `killed` run's, bit for bit. Each process stopping on its own signal
+  would leave process 0 training on alone."""
+  from test_train import checkpoint_leaves  # pylint: disable=import-outside-toplevel
+  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+         "--", sys.executable, TRAIN, *TINY, f"--workdir={tmp_path}"]
+  run = Proc(cmd, one_process_env(1), watch="[0] step      3/20")
+  try:
+    assert run.seen.wait(TIMEOUT), run.stderr[-3000:]
+    os.kill(launched(run.p, 1), signal.SIGTERM)
+    status = run.wait()
+  finally:
+    if run.p.poll() is None:
+      run.p.kill()
+  assert status == exits.STOPPED, run.stderr[-3000:]
+  (stopped,) = [x for x in run.out if "stopped by" in x]
+  step = int(re.fullmatch(r"\[0\] stopped by a preemption notice \(SIGTERM, multi-process\) "
+                          r"after step (\d+): saved; the same command resumes\n", stopped)[1])
+  assert 3 <= step < 10, stopped  # Before the killed run's checkpoint 10, which is compared.
+  assert ("[launch] exit statuses: process 0: status 75 (STOPPED), process 1: status 75 "
+          "(STOPPED)\n") in run.err, run.stderr[-3000:]
+  assert os.listdir(tmp_path / "checkpoints") == [str(step)]
+  resumed = Proc([*cmd, "--config.train.steps=10"], one_process_env(1))
+  assert resumed.wait() == exits.DONE, resumed.stderr[-3000:]
+  assert f"[0] resumed from {tmp_path}/checkpoints/{step}\n" in resumed.out
+  got, want = losses(tmp_path), losses(runs["root"] / "killed")
+  assert [got.get(k) for k in range(1, 11)] == [want[k] for k in range(1, 11)], (got, want)
+  a, b = (checkpoint_leaves(w / "checkpoints" / "10") for w in (tmp_path, runs["root"] / "killed"))
+  assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+  print(f"SIGTERM to process 1 after step 3: both processes stopped after step {step}")
+
+
 # Process 1 reaches the first collective 40 s after process 0: longer than gloo waits for
 # a new context's peers (a fixed 30 s; without `together` this fails, measured).
 MEET = """
@@ -400,14 +438,18 @@ def stranger(port: int, payload: bytes | None, hold: float) -> tuple[bytes, floa
   return got, time.monotonic() - start
 
 
-PAYLOADS = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, None]
+# A well-formed hello (process 1, 64 hex digits) whose proof is wrong: only the HMAC
+# comparison refuses it (without it, process 1 already being connected would).
+FORGED = b"1 " + b"0" * 64 + b"\n"
+PAYLOADS = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, FORGED, None]
 
 
 def test_strangers_at_every_port_do_not_stop_the_run(tmp_path):
   """A launched 2 x 4 run; after its first step a stranger connects to each port process 0
-  listens on but JAX's coordinator (the peer watch, gloo's) five times at once, sending
-  `1\\n`, `0\\n`, `5\\n`, garbage, and nothing for 30 s, while the run trains on. The
-  peer watch closes each with one line saying why (the silent one after
+  listens on but JAX's coordinator (the peer watch, gloo's) six times at once, sending
+  `1\\n`, `0\\n`, `5\\n`, garbage, a well-formed hello for process 1 with a wrong proof,
+  and nothing for 30 s, while the run trains on. The peer watch closes each with one line
+  saying why (the forged hello: not proving the run's secret; the silent one after
   `HELLO_SECONDS`), and the run finishes with status 0."""
   port = launch.free_port()
   cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
@@ -438,8 +480,10 @@ def test_strangers_at_every_port_do_not_stop_the_run(tmp_path):
   assert all(seen[watch, x][0].startswith(b"zerojax-peer-watch ") for x in PAYLOADS), seen
   assert peers.HELLO_SECONDS - 0.5 <= seen[watch, None][1] < 30, seen
   refused = [x for x in run.err if "peer watch refused a connection" in x]
-  assert len(refused) == 5 and all(x.startswith("[0] ") for x in refused), refused
+  assert len(refused) == 6 and all(x.startswith("[0] ") for x in refused), refused
   assert sum("not a peer's hello" in x for x in refused) == 4, refused  # Garbage too.
+  assert sum(x.endswith("announced process 1 without proving the run's secret\n")
+             for x in refused) == 1, refused
   assert any("no hello within" in x for x in refused), refused
   assert "is gone" not in run.stderr and losses(tmp_path)[160] > 0
 
