@@ -279,9 +279,13 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         lambda i, layer, x: (parts.layer(gathered(layer), x, batch), streaming.outbound(
             jax.tree.map(stage3.to_bits, x), parts.offload)),
         x, lambda i: params_at(rows, i)[stack], depth, ahead_p)
+    # On XLA:CPU the head's gathers wait for the forward loop, and the backward loop for
+    # their reduce-scatters (`stage3.after`: no collective beside a loop's).
     loss, head_vjp = jax.vjp(
-        lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32), rest32, x)
+        lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32),
+        stage3.after(rest32, x), x)
     d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
+    ct = stage3.after(ct, d_rest)
 
     def body(i, saved, carry):
       ct, p, s, skipped, grad_sq, update_sq, (layer_p, state) = carry

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax import streaming
+from zerojax import gpu as zerojax_gpu, streaming
 
 PyTree = Any
 
@@ -102,6 +102,62 @@ def gather(tree: PyTree) -> PyTree:
 def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
   """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`."""
   return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
+
+
+def after(tree: PyTree, deps: PyTree) -> PyTree:
+  """`tree`, computed on XLA:CPU only once every leaf of `deps` is; elsewhere `tree`.
+
+  XLA:CPU orders the collectives of one loop body among themselves and those outside
+  every loop among themselves, but not the two with each other (its while thunk does
+  not hold the collectives' ordering resource): a gather of a whole leaf (the head)
+  that neither needs nor feeds the layer loop runs on one device while that device's
+  loop gathers a layer, in another order on another device, and the step deadlocks
+  ("Expected 4 threads to join the rendezvous, but only 3 of them arrived") once each
+  of XLA's threads waits in one (docs/design/cpu-collectives.md). An
+  `optimization_barrier` does not order them: XLA:CPU drops it before it emits the
+  program. A data dependency does: `tree` passes through a select on a predicate that
+  is true at run time but that XLA cannot prove true, computed from one element of
+  each leaf of `deps` (a slice and a compare per leaf, one select per element of
+  `tree`). XLA:GPU issues collectives in stream order: nothing changes there, a GPU
+  target's compile included.
+
+  Args:
+    tree: a pytree of arrays (any dtypes).
+    deps: a pytree of arrays; only their first elements are read, not differentiated.
+
+  Returns:
+    `tree`'s values.
+  """
+  deps = [d for d in jax.tree.leaves(deps) if d.size]
+  if zerojax_gpu.backend() != "cpu" or not deps or not jax.tree.leaves(tree):
+    return tree
+  pred = jnp.bool_(True)
+  for d in deps:
+    first = jax.lax.stop_gradient(d).reshape(-1)[0]
+    if jnp.issubdtype(first.dtype, jnp.floating):  # Its bits: a NaN must not matter.
+      first = jax.lax.bitcast_convert_type(first, jnp.dtype(f"uint{first.dtype.itemsize * 8}"))
+    pred = pred & ((first.astype(jnp.uint32) | 1) != 0)  # Always true.
+  return jax.tree.map(lambda x: jnp.where(pred, x, jnp.zeros_like(x)), tree)
+
+
+@jax.custom_vjp
+def before_loops(whole: PyTree, stacks: PyTree) -> tuple[PyTree, PyTree]:
+  """(`whole`, `stacks`) as they are; on XLA:CPU the cotangents of `whole` wait for
+  those of `stacks` (`after`), so the reduce-scatters of the whole leaves' gathers
+  run after the backward layer loop, not beside it."""
+  return whole, stacks
+
+
+def _before_loops_fwd(whole, stacks):
+  return (whole, stacks), None
+
+
+def _before_loops_bwd(_, cts):
+  ct_whole, ct_stacks = cts
+  return after(ct_whole, ct_stacks), ct_stacks
+
+
+before_loops.defvjp(_before_loops_fwd, _before_loops_bwd)
 
 
 def scan_layers(fn: Any, params: PyTree, carry: PyTree, *args: Any, policy: Any = None,

@@ -147,8 +147,31 @@ def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
     return stage3.gather_leaf(p, d, plan.shard_axes, like.dtype)
   host = jax.tree.map(lambda h, p: h and streaming.in_host_memory(p), plan.param_offloaded,
                       params)
-  return jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
+  seen = jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
                       is_leaf=lambda d: d is None)
+  if not plan.behaviour.shards_params:
+    return seen
+  # On XLA:CPU the reduce-scatters of the whole leaves' gathers wait for the backward
+  # layer loop (`stage3.before_loops`; the forward order is `ordered_batch`'s). Shards in
+  # host memory are read by the loop itself and stay out of it.
+  is_sharded = lambda x: isinstance(x, stage3.Sharded)
+  leaves, tree = jax.tree.flatten(seen, is_leaf=is_sharded)
+  kept = [not h for h in jax.tree.leaves(host)]
+  whole = {i: x for i, x in enumerate(leaves) if kept[i] and not is_sharded(x)}
+  stacks = {i: x.value for i, x in enumerate(leaves) if kept[i] and is_sharded(x)}
+  if whole and stacks:
+    whole, stacks = stage3.before_loops(whole, stacks)
+    for i, v in stacks.items():
+      x = leaves[i]
+      leaves[i] = stage3.Sharded(v, x.dim, x.axes, x.dtype)
+    leaves = [whole.get(i, x) for i, x in enumerate(leaves)]
+  return jax.tree.unflatten(tree, leaves)
+
+
+def ordered_batch(seen: PyTree, batch: PyTree) -> PyTree:
+  """`batch`, read on XLA:CPU only once every gather of `seen` (`materialize`'s) is
+  done, so that none of them runs beside the layer loop (`stage3.after`)."""
+  return stage3.after(batch, seen)
 
 
 def sum_unreduced(plan: zero.ZeroPlan, g: jax.Array, dim: int | None) -> jax.Array:
@@ -215,7 +238,8 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     micro = jax.tree.map(split, batch)
 
     def objective(p32, mb, key):
-      out = loss_fn(materialize(plan, p32), mb, key)
+      seen = materialize(plan, p32)
+      out = loss_fn(seen, ordered_batch(seen, mb), key)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
       return loss * scale, (loss, aux)  # fp16: scaled so small gradients survive.
@@ -382,7 +406,8 @@ def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, Py
     are the fp32 means over the batch: loss and the loss_fn's aux values.
   """
   def local(params, batch):
-    out = loss_fn(materialize(plan, params), batch, jax.random.key(0))
+    seen = materialize(plan, params)
+    out = loss_fn(seen, ordered_batch(seen, batch), jax.random.key(0))
     loss, aux = out if isinstance(out, tuple) else (out, {})
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
     return dict(loss=mean(loss), **jax.tree.map(mean, aux))
