@@ -250,8 +250,8 @@ def test_estimate_against_compiled_as_the_readme_states():
 
 def test_release_estimate_within_5_percent_of_compiled_for_70b_on_8():
   """configs/70b_8x80gb.py (Lion + Kahan + release) compiled on 8 fake CPU devices: at
-  most 70 GiB a device (an 80 GB device is 74.5 GiB): 64.80 GiB, the README's XLA:CPU
-  figure for the recipe; the estimate within 5% (measured 1.03). The tiny config with
+  most 70 GiB a device (an 80 GB device is 74.5 GiB): 63.74 GiB, the README's XLA:CPU
+  figure for the recipe; the estimate within 5% (measured 1.048). The tiny config with
   release: within 15% (measured 0.98 at 0c8fa5c; 0.88 in an earlier session)."""
   runs = [("70b_8x80gb.py", 0.95, 1.05), ("tiny.py", 0.85, 1.1)]
   with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
@@ -264,7 +264,7 @@ def test_release_estimate_within_5_percent_of_compiled_for_70b_on_8():
     assert r["compiled"]["arguments"] == pytest.approx(r["state"], abs=64), name
     assert low < r["total"] / compiled < high, (name, r["total"], compiled)
   assert units.fmt_bytes(results[0]["compiled"]["arguments"]
-                         + results[0]["compiled"]["temporaries"]) == "64.80 GiB"
+                         + results[0]["compiled"]["temporaries"]) == "63.74 GiB"
   assert results[0]["fits"]
 
 

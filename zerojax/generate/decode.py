@@ -98,6 +98,9 @@ def _decode(model, plan, gather, params, tokens, lengths, stops, max_new, seed, 
   params = step.materialize(plan, params)  # Layer leaves `Sharded` at stage 3.
   if gather == "whole":
     params = stage3.gather(params)
+  # On XLA:CPU every gather above finishes before the prefill's layer loop gathers (the
+  # head's would run beside it: `stage3.after`).
+  tokens = step.ordered_batch(params, tokens)
   B, T = tokens.shape
   rows = jax.lax.axis_index(plan.data_axes) * B + jnp.arange(B)
   key = jax.random.key(seed)
