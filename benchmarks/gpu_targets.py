@@ -7,7 +7,7 @@ table, beside the planner's (and XLA:CPU's with --cpu): no GPU needed.
 
 Each row is compiled as train.py would compile it on that GPU (`zerojax.gpu`: the XLA
 flag profile, cuDNN attention) and judged against the memory XLA's allocator has there
-(`zerojax.gpu.targets.budget`). planner/GPU is the calibration WORKSPACE.md tabulates.
+(`zerojax.gpu.targets.budget`). planner/GPU is the calibration docs/design/gpu-targets.md tabulates.
 """
 
 import argparse

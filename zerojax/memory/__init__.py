@@ -30,7 +30,7 @@ backward pass (stage 2 reduce-scatters them leaf by leaf), so stage 2 holds a wh
 gradient for a while. Where estimate and compiler differ by more than 10%,
 `--compile` says which component the difference is in, from XLA's buffer assignment.
 A by-name remat policy (`zerojax.models.remat`) saves the layer input and its named
-values: XLA's saved bytes exactly; the 1B at stage 3 within 0.90-1.02 (WORKSPACE).
+values: XLA's saved bytes exactly; the 1B at stage 3 within 0.90-1.02 (docs/design/planner.md).
 On one H200 (XLA:GPU, jax 0.11.2) the estimate was 1.003 (1B, 8 sequences of 4096) and
 1.035 (8B, 2 sequences) of both the compiled bytes and the measured peak
 (`memory_stats()['peak_bytes_in_use']`); multi-GPU stage 3 is not measured yet.
@@ -57,8 +57,8 @@ puts into the all-to-alls per layer and step (`sequence.ulysses.all_to_all_bytes
 `model.activation_offload='host'` moves the layers' saved residuals to the host's bytes,
 two layers of them left on the device. `longest_sequence(config, devices, memory)` is the
 longest `train.seq_len` (a multiple of `sequence_unit`) that fits. Calibrated against
-XLA:CPU and XLA's GPU compiler on the 8B and 70B configs and the tiny Llama (WORKSPACE,
-"Long context (issue 24)").
+XLA:CPU and XLA's GPU compiler on the 8B and 70B configs and the tiny Llama
+(docs/design/long-context.md).
 
 With `zero.param_offload='host'` (stage 3) the layer-stack's param shards are host bytes
 (`Estimate.host['params']`); with gradient release the device keeps 3 layers' shards of

@@ -45,7 +45,7 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   if s.model == "llama" and (s.sequence_parallel or zerojax_gpu.backend() != "gpu"):
     attention, mlp = _layer_backward(s, S, rows, fused)
   else:  # mlp_lm (rough), and the GPU without sequence parallelism: calibrated at 4096
-    # positions (WORKSPACE, "GPU targets"), its (T / S) n D term over-counts long sequences.
+    # positions (docs/design/gpu-targets.md), its (T / S) n D term over-counts long sequences.
     attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
     mlp = rows * F * (5 * cb + 4) + 5 * n * D * 4
   if s.model == "mlp_lm":
@@ -61,7 +61,7 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
 
 def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, int]:
   """One Llama layer's backward: (its attention part, its MLP part), read off the
-  compilers' buffers at the peak (WORKSPACE, "Long context"). With sequence parallelism
+  compilers' buffers at the peak (docs/design/long-context.md). With sequence parallelism
   attention runs on the whole sequence for H / fsdp query heads; without it (fsdp = 1 in
   what follows) on the device's own sequences for all heads.
 

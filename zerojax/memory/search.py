@@ -27,7 +27,8 @@ _ACCUMULATE = ("optimizer.release_accumulation=optimizer",)
 def _changes(s: RunSpec) -> list[list[tuple[str, tuple, dict]]]:
   """Changes that save memory, cheapest kind first; each kind's levels mildest first.
 
-  Cost to training: Kahan matches fp32 master weights (WORKSPACE: stall table); a stage
+  Cost to training: Kahan matches fp32 master weights (the stall table in
+  docs/design/precision.md); a stage
   adds communication; bf16 moments lose precision; remat recomputes (full: ~1/3 more
   FLOPs); gradient release recomputes as remat full does and leaves no global gradient
   norm to clip by and one microbatch a step; microbatches lower per-device efficiency;
