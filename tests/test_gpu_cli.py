@@ -113,7 +113,7 @@ def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s()
   """The issue's second check: device bytes <= 40 GiB, the state in host memory (its
   bytes reported), and each layer's slices moved by asynchronous starts and dones inside
   release's backward loop, read one layer ahead (counted; what they overlap is in
-  WORKSPACE)."""
+  docs/design/offload-and-streaming.md)."""
   config, built, out = compile_config("70b_8x80gb", ADAMW_OFFLOAD, "h100:8")
   mem = out.memory
   # The README's row: 30.83 GiB + 49.28 GiB of host memory (mu, nu and the Kahan

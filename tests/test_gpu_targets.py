@@ -148,7 +148,7 @@ def test_offload_keeps_the_state_on_the_host_of_a_gpu_where_the_step_would_not_f
 # Device runs whose setup today's code compiles unchanged (remat full, cuDNN attention):
 # round 1's H200 runs. results/gpu.json's rows were measured before the attention default
 # and the remat policies changed; a new `bash benchmarks/gpu.sh` run rewrites it, and is
-# added here by whoever records it (WORKSPACE.md, "GPU targets").
+# added here by whoever records it (docs/design/gpu-targets.md).
 TIED = ("gpu_auto.json", "gpu_cudnn.json")
 
 

@@ -91,7 +91,8 @@ def test_activation_offload_keeps_two_layers_of_residuals_on_the_device():
 
 
 def test_the_mlp_chunk_bounds_the_mlp_temporaries():
-  """At a million tokens the MLP's backward is the 8B's peak (XLA:CPU's too, WORKSPACE);
+  """At a million tokens the MLP's backward is the 8B's peak (XLA:CPU's too,
+  docs/design/long-context.md);
   model.mlp_chunk positions at a time shrink its [.., d_ff] values; a chunk as long as
   the slice is the untiled MLP."""
   e = memory.estimate(llama_8b("train.seq_len=999424"), 8)

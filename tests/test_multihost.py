@@ -51,7 +51,7 @@ TINY = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--config.model.n_
         "--config.optimizer.state_dtype=float32", "--config.optimizer.update_rule=nearest",
         "--config.checkpoint.every_steps=10", "--config.checkpoint.async_save=False"]
 # fp32 reduction-order noise over 20 Adam steps (measured: <= 2e-7 between 1 and 2
-# processes at stage 3; WORKSPACE: 3.4e-6 between stages at lr 1e-3).
+# processes at stage 3; docs/design/zero-step.md: 3.4e-6 between stages at lr 1e-3).
 RTOL = 1e-5
 
 

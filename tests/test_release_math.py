@@ -5,7 +5,7 @@ Lion) and clipping by the previous step's norm or per layer, on 8 CPU devices, f
 The reference takes each microbatch's gradient from `jax.grad` of the whole (unsharded)
 model in fp32 and does everything else in float64; the release step shards, reduces
 and updates in fp32, so they agree to fp32 reduction-order noise (1e-5 relative per
-leaf over 3 steps; `pytest -s` prints the worst per case: WORKSPACE.md has them)."""
+leaf over 3 steps; `pytest -s` prints the worst per case: docs/design/release.md has them)."""
 
 import jax
 import jax.numpy as jnp

@@ -66,7 +66,7 @@ def test_planner_counts_each_policy_like_the_compiler():
   gradient per local param, as 'full' does (`stage3.scan_layers` writes it over the
   fp32 params; JAX's own scan would hold a second one). The total is 0.8-1.1 of the
   compiled for every policy (XLA keeps the tiny config's small layers whole); the 1B's
-  table is in WORKSPACE.md."""
+  table is in docs/design/planner.md."""
   policies = ["save_dot_with_context_except_mlp", "save_qkv_proj", "full"]  # Most saved first.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     results = dict(zip(policies, pool.map(lambda p: run_cli(

@@ -42,7 +42,8 @@ def test_packed_loss_and_gradients_equal_the_examples_run_alone(examples, attent
   examples. Without the segment mask the packed loss moves by far more (the control).
 
   Without the positions' reset the loss does not move: RoPE scores depend only on
-  position differences, which within one example the reset leaves alone (WORKSPACE.md).
+  position differences, which within one example the reset leaves alone
+  (docs/design/data-and-sft.md).
   """
   c = config(attention)
   params = llama.LlamaLM(c).init(jax.random.key(0))
