@@ -89,7 +89,7 @@ def sweep(data: str, tokenizer: str) -> None:
                 flush=True)
 
 
-@pytest.mark.slow  # 32 compiles: about 7 minutes of CPU on 2 cores.
+@pytest.mark.slow  # 32 compiles: 187 s in the full suite (benchmarks/README.md).
 def test_stage3_trains_on_every_mesh_vocab_and_layout(tmp_path):
   pytest.importorskip("tokenizers")
   data, tokenizer = write_task(str(tmp_path))
