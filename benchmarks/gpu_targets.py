@@ -4,6 +4,7 @@ table, beside the planner's (and XLA:CPU's with --cpu): no GPU needed.
     python benchmarks/gpu_targets.py            # ~3 min on 2 cores -> results/gpu_targets.json
     python benchmarks/gpu_targets.py --cpu      # + XLA:CPU's compile of each (~+4 min)
     python benchmarks/gpu_targets.py --rows 70b # only the rows whose label has "70b"
+                                                # (replaced in the record, the rest kept)
 
 Each row is compiled as train.py would compile it on that GPU (`zerojax.gpu`: the XLA
 flag profile, cuDNN attention) and judged against the memory XLA's allocator has there
@@ -113,8 +114,14 @@ def main(argv=None):
     results.append(measure(*row, args.cpu))
     print(json.dumps(results[-1]), flush=True)
   import jax  # pylint: disable=import-outside-toplevel
+  rows_out = results
+  if args.rows and os.path.exists(args.out):  # A subset replaces its rows in the record.
+    with open(args.out) as f:
+      fresh = {r["label"]: r for r in results}
+      kept = json.load(f)["rows"]
+    rows_out = [fresh.pop(r["label"], r) for r in kept] + list(fresh.values())
   with open(args.out, "w") as f:
-    json.dump(dict(jax=jax.__version__, rows=results), f, indent=1)
+    json.dump(dict(jax=jax.__version__, rows=rows_out), f, indent=1)
   print(table(results))
 
 
