@@ -8,7 +8,7 @@ The trainer lives in the package so that an installed zerojax runs it too
 (`zerojax-train --config my_config.py`, the same flags). Read it in `zerojax/train.py`,
 top-down: `setup` (config, data, the compiled step and its memory), `restore_or_init`,
 `train_loop` (the steps: batch, step, log, evaluate, checkpoint, stop), `main`. Every
-flag: `python train.py --help`; every exit status: `zerojax/exits.py`.
+flag: `python train.py --help`; every exit status: `zerojax/runtime/exits.py`.
 """
 
 import sys

@@ -52,7 +52,7 @@ class PeakRSS:
   """The peak RSS of this process while a `with` block runs, sampled by a thread."""
 
   def __init__(self, every: float = 0.005):
-    import psutil  # pylint: disable=import-outside-toplevel
+    import psutil
     self._process, self._every = psutil.Process(), every
     self.before = self.peak = 0
 
@@ -81,8 +81,8 @@ def noise(shape, seed: int, scale: float):
   """Pseudo-random values (an integer hash of the position: fast, unlike jax.random on
   2 cores), uniform mantissas over 8 binades around `scale`, either sign: about as
   compressible as trained weights."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
   u32 = jnp.uint32
   h, stride = jnp.full(shape, seed * 0x9E3779B9 % 2**32, u32), 1
   for d in reversed(range(len(shape))):
@@ -97,11 +97,11 @@ def noise(shape, seed: int, scale: float):
 def random_state(plan):
   """A train state of `plan` with random values of realistic magnitudes, sharded from
   birth (one jit with out_shardings: no leaf is ever whole on one device)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
 
-  import zerojax  # pylint: disable=import-outside-toplevel
-  from zerojax.step import state_shardings  # pylint: disable=import-outside-toplevel
+  import zerojax
+  from zerojax.step import state_shardings
 
   abstract = zerojax.abstract_state(plan)
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)]
@@ -128,14 +128,15 @@ def du(path: str) -> int:
 
 def child(spec: dict) -> dict:
   """One measurement, in a process started with spec["devices"] fake CPU devices."""
-  import gc  # pylint: disable=import-outside-toplevel
-  import resource  # pylint: disable=import-outside-toplevel
+  import gc
+  import resource
 
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
-  from zerojax import checkpoint, checksums  # pylint: disable=import-outside-toplevel
-  from zerojax.build import build  # pylint: disable=import-outside-toplevel
-  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
+  from zerojax import checkpoint
+  from zerojax.build import build
+  from zerojax.checkpoint import checksums
+  from zerojax.config import load_config
 
   overrides = [*spec["overrides"], f"zero.stage={spec['stage']}",
                f"mesh.data={spec['data']}", f"mesh.fsdp={spec['fsdp']}",
@@ -182,7 +183,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-  from zerojax.devices import fake_devices_env  # pylint: disable=import-outside-toplevel
+  from zerojax.runtime.devices import fake_devices_env
   env = fake_devices_env(spec["devices"])
   result = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=1800, check=False)
@@ -196,7 +197,7 @@ def main() -> None:
   if args.child:
     print(json.dumps(child(json.loads(args.child))))
     return
-  import psutil  # pylint: disable=import-outside-toplevel
+  import psutil
   # The state's size from shapes alone, before anything is allocated.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   size = subprocess.run(

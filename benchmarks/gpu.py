@@ -16,7 +16,7 @@ measurement, an out-of-memory or a hang costs one row, not the run):
 2. **MFU** of `configs/1b_bf16.py` and `configs/8b_bf16.py` at ZeRO stage 3 with each
    remat policy of `REMATS` (full, by-name ones), built as train.py builds it
    (`zerojax.build.build`), random tokens, `--steps` timed steps after a warm-up. MFU = the model's
-   `flops_per_token` x tokens/s / (peak FLOP/s x devices) (`zerojax.metrics.peak_flops`:
+   `flops_per_token` x tokens/s / (peak FLOP/s x devices) (`zerojax.run.metrics.peak_flops`:
    H200 989 TFLOP/s dense bf16; in `--cpu` mode the measured matmul rate).
 3. **memory** of each of those steps per device: compiled (arguments + outputs - aliased +
    temporaries, and XLA's peak), the device's `peak_bytes_in_use` after the steps (on CPU:
@@ -60,7 +60,7 @@ REMATS = {"1b": ("full", "save_dot_with_context_except_mlp", "save_qkv_proj",
           "8b": ("full", "save_dot_with_context_except_mlp", "save_dot_except_mlp",
                  "save_qkv_proj", "minimal")}
 # Peak memory bandwidth per device (vendor datasheets, bytes/s); MFU's peak FLOP/s is
-# zerojax.metrics.PEAK_FLOPS.
+# zerojax.run.metrics.PEAK_FLOPS.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
 # Tiny shapes for --cpu: the configs' structure (tied embeddings, GQA, RoPE scaling),
 # a few hundred thousand params.
@@ -109,9 +109,9 @@ def parse_args(argv=None):
 
 
 def _device_info():
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
-  from zerojax import metrics  # pylint: disable=import-outside-toplevel
+  from zerojax.run import metrics
   d = jax.devices()[0]
   stats = d.memory_stats() or {}
   kind = getattr(d, "device_kind", "")
@@ -123,7 +123,7 @@ def _device_info():
 
 def _time(fn, warmup, iters):
   """Median seconds of `fn()` (each call waited for) after `warmup` calls."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   for _ in range(warmup):
     jax.block_until_ready(fn())
   times = []
@@ -136,11 +136,11 @@ def _time(fn, warmup, iters):
 
 def child_bandwidth(cpu: bool) -> dict:
   """The Kahan AdamW update's achieved bandwidth (and, on CPU, reference peaks)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import optax
 
-  from zerojax import optim  # pylint: disable=import-outside-toplevel
+  from zerojax import optim
 
   info = _device_info()
   # GPU: 8 leaves of 8192 x 16384 = 1.07e9 params (~21 GB with the state and grads);
@@ -204,7 +204,7 @@ def _planner_estimate(config, devices, out):
   step's temporaries), `conventional_per_device` the ZeRO paper's model state.
   """
   try:
-    from zerojax import memory  # pylint: disable=import-outside-toplevel
+    from zerojax import memory
   except ImportError:
     out["planner_note"] = "zerojax.memory does not exist"
     return
@@ -227,17 +227,18 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   Fills `out` as it goes, so a failure (say, out of memory in the first step) still
   reports the compiled and planned memory.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
 
-  import zerojax  # pylint: disable=import-outside-toplevel
-  from zerojax import build, xla_flags  # pylint: disable=import-outside-toplevel
-  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
+  import zerojax
+  from zerojax import build
+  from zerojax.config import load_config
+  from zerojax.gpu import xla_flags
 
   overrides = ["zero.stage=3", f"model.remat={remat}"] + (CPU_SHAPES if cpu else [])
   batch = batch or (0 if cpu else GPU_BATCH[cfg])
   overrides += ([f"train.global_batch_size={batch}"] if batch else []) + list(extra)
-  # train.py's XLA flags on a GPU (zerojax.xla_flags), set before the backend starts.
+  # train.py's XLA flags on a GPU (zerojax.gpu.xla_flags), set before the backend starts.
   out["xla_profile"] = xla_flags.apply_gpu_profile(
       load_config(os.path.join(ROOT, CONFIGS[cfg]), overrides))
   out["xla_flags"] = os.environ.get("XLA_FLAGS", "")
@@ -320,11 +321,11 @@ def _is_oom(text: str) -> bool:
 
 
 def child_env(cpu: bool) -> dict:
-  from zerojax.devices import fake_devices_env  # pylint: disable=import-outside-toplevel
+  from zerojax.runtime.devices import fake_devices_env
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
   # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
-  # (zerojax.devices.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
+  # (zerojax.runtime.devices.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
   return fake_devices_env(1, base=env) if cpu else env
 
 
@@ -365,7 +366,7 @@ def main(argv=None):
   start = time.perf_counter()
   left = lambda: args.budget - (time.perf_counter() - start)
   if not args.cpu:  # Which XLA flag forms this XLA knows, asked once for every child.
-    from zerojax import xla_flags  # pylint: disable=import-outside-toplevel
+    from zerojax.gpu import xla_flags
     xla_flags.known_flags(xla_flags.forms(xla_flags.gpu_profile(1)), environ=os.environ)
   res = dict(cpu=args.cpu, budget_s=args.budget, steps=args.steps, mfu=[], bandwidth=None,
              goals=dict(bandwidth=f">= {BANDWIDTH_GOAL:.0%} of peak (proposed here)",

@@ -28,7 +28,7 @@ fi
 
 if [[ "$mode" == gpu ]]; then
   # XLA's flags and memory fraction: each measurement applies train.py's GPU profile
-  # (zerojax.xla_flags); one row runs the largest config without it.
+  # (zerojax.gpu.xla_flags); one row runs the largest config without it.
   budget="${BUDGET:-420}"
   limit=470   # Hard stop: 7 min 50 s, results so far are already on disk.
 else

@@ -19,7 +19,7 @@ def derive(res: dict) -> None:
   res["peaks"] = dict(
       flops=peak_flops, bandwidth=peak_bw,
       source="measured on this CPU (bf16 1024^3 matmul; f32 elementwise stream)" if cpu
-      else "datasheet (zerojax.metrics.PEAK_FLOPS, PEAK_BANDWIDTH here)")
+      else "datasheet (zerojax.run.metrics.PEAK_FLOPS, PEAK_BANDWIDTH here)")
   if bw.get("bytes_per_s") and peak_bw:
     bw["fraction_of_peak"] = bw["bytes_per_s"] / peak_bw
     bw["goal"] = BANDWIDTH_GOAL

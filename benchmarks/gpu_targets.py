@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 ADAMW = ("optimizer.name=adamw", "optimizer.b2=0.95")
 # (label, config, overrides, target): the README's 70B table (8 x H100), its 8 x A100 40GB
-# row (`python -m zerojax.gpu.fit --config configs/70b_bf16.py --targets a100_40gb
+# row (`python -m zerojax.memory.fit --config configs/70b_bf16.py --targets a100_40gb
 # --devices 8 --compile` chose it), then each shipped GPU config at its intended hardware.
 ROWS = [
     ("70b: Lion + Kahan + release", "70b_8x80gb", (), "h100:8"),
@@ -50,17 +50,19 @@ ROWS = [
 
 
 def measure(label, name, overrides, target, cpu):
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
-  from zerojax import build, gpu, memory, memory_report  # pylint: disable=import-outside-toplevel
-  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
-  from zerojax.gpu import compile as gpu_compile, targets  # pylint: disable=import-outside-toplevel
+  from zerojax import build, memory
+  from zerojax.config import load_config
+  from zerojax.gpu import compile as gpu_compile, targets
+  from zerojax.memory import report as memory_report
+  from zerojax.runtime import platform
 
   spec = targets.parse(target)
   config = load_config(os.path.join(ROOT, "configs", f"{name}.py"), list(overrides),
                        num_devices=spec.devices)
   budget, fraction = memory_report.target_budget(config, spec.target)
-  with gpu.targeting():
+  with platform.targeting():
     e = memory.estimate(config, spec.devices, budget)
   built = build.build(config, jax.devices()[:spec.devices])
   start = time.perf_counter()
@@ -80,8 +82,8 @@ def measure(label, name, overrides, target, cpu):
 
 
 def table(rows):
-  from zerojax.testing import markdown_table  # pylint: disable=import-outside-toplevel
-  from zerojax.units import fmt_bytes  # pylint: disable=import-outside-toplevel
+  from zerojax.runtime.units import fmt_bytes
+  from zerojax.testing import markdown_table
 
   host = lambda n: f" + {fmt_bytes(n)} host" if n else ""
   cpu = any("cpu" in r for r in rows)
@@ -102,8 +104,8 @@ def main(argv=None):
                                                 "gpu_targets.json"))
   args = ap.parse_args(argv)
   rows = [r for r in ROWS if args.rows in r[0]]
-  from zerojax.devices import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
-  from zerojax.gpu import compile as gpu_compile, targets  # pylint: disable=import-outside-toplevel
+  from zerojax.gpu import compile as gpu_compile, targets
+  from zerojax.runtime.devices import CPU_MEMORY_FLAGS
   # The most devices any row traces over; with XLA:CPU's memory flags for --cpu's column
   # (they change nothing in the GPU compile).
   devices = max(targets.parse(t).devices for *_, t in rows)
@@ -113,7 +115,7 @@ def main(argv=None):
   for row in rows:
     results.append(measure(*row, args.cpu))
     print(json.dumps(results[-1]), flush=True)
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   rows_out = results
   if args.rows and os.path.exists(args.out):  # A subset replaces its rows in the record.
     with open(args.out) as f:

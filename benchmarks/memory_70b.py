@@ -12,7 +12,7 @@ dumps the compiled HLO and lists the N largest temporaries alive at the peak, wi
 the JAX op that made each, to see where the memory goes. `--layers 8` is a quick
 proxy (seconds to compile): what grows with the params scales with the layers.
 
-`--xla-cpu-memory-flags` adds zerojax.devices' XLA:CPU flags: the memory-optimizing
+`--xla-cpu-memory-flags` adds zerojax.runtime.devices' XLA:CPU flags: the memory-optimizing
 scheduler and no while-loop-invariant code motion (XLA:CPU upcasts bf16 and then
 hoists whole-stack f32 copies out of the layer loop).
 """
@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 # pylint: disable=wrong-import-position
-from zerojax import xla_dump
-from zerojax.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
+from zerojax.runtime import xla_dump
+from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
 
 
 def parse_args():
@@ -42,7 +42,7 @@ def parse_args():
 
 
 def peak_buffers(dump_dir: str, n: int) -> list[str]:
-  """The n largest temporaries live at the peak (`zerojax.xla_dump.live_at_peak`), with
+  """The n largest temporaries live at the peak (`zerojax.runtime.xla_dump.live_at_peak`), with
   the JAX op that made each."""
   at_peak = xla_dump.live_at_peak(dump_dir)
   if not at_peak:

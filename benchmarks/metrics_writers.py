@@ -11,8 +11,8 @@ import importlib.util
 import tempfile
 import time
 
-from zerojax import metrics
 from zerojax.config import base_config
+from zerojax.run import metrics
 
 
 def measure(tensorboard: bool, wandb: bool, steps: int = 200) -> dict[str, float]:

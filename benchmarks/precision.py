@@ -64,7 +64,7 @@ STALL_RECIPES = [(REF, F32, F32, "nearest"),  # (name, param dtype, state dtype,
                  ("kahan, fp32 state", BF16, F32, "kahan"),
                  ("stochastic, bf16 state", BF16, BF16, "stochastic"),
                  ("master, fp32 state", BF16, F32, "master")]
-# b2 as in the schema (zerojax/schema.py): bf16 state cannot hold optax's default 0.999 (nu
+# b2 as in the schema (zerojax/config/schema.py): bf16 state cannot hold optax's default 0.999 (nu
 # stops decaying).
 OPTIMIZERS = {"AdamW": lambda **kw: optim.adamw(1e-5, b1=0.9, b2=0.95, **kw),
               "Lion": lambda **kw: optim.lion(1e-5, **kw)}

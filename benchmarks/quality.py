@@ -28,7 +28,7 @@ import os
 import re
 import time
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "125m_quality.py")
@@ -51,7 +51,7 @@ GOAL_RATIO, GOAL_NATS = 1.01, 0.01
 
 def arm_config(args, arm: str, num_devices: int):
   """The config of `arm` at `args.size`, validated for `num_devices`."""
-  from zerojax import config as zc  # pylint: disable=import-outside-toplevel
+  from zerojax import config as zc
   steps = [f"train.steps={args.steps}",
            f"optimizer.warmup_steps={min(100, args.steps // 10)}"] if args.steps else []
   overrides = ["precision.compute_dtype=bfloat16"] + (TINY if args.size == "tiny" else [])
@@ -60,8 +60,8 @@ def arm_config(args, arm: str, num_devices: int):
 
 def same_init(reference_init, arm_init):
   """`arm_init`'s dtypes with `reference_init`'s (fp32) values rounded to bf16."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
 
   def init(key):
     shapes = jax.eval_shape(arm_init, key)
@@ -72,7 +72,7 @@ def same_init(reference_init, arm_init):
 
 def summary(runs: dict) -> dict:
   """Per arm: final losses, paired difference and ratio to fp32 (mean, std), goal."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   n = min(len(r) for r in runs.values())  # Whole seeds only.
   ref = np.array([r["final"] for r in runs["fp32"][:n]])
   out = {}
@@ -92,12 +92,12 @@ def summary(runs: dict) -> dict:
 
 def report(result: dict, png: str) -> None:
   """Prints the table and plots the held-out curves and the gap to fp32."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
+  import numpy as np
 
-  from zerojax.testing import markdown_table  # pylint: disable=import-outside-toplevel
+  from zerojax.testing import markdown_table
   rows = []
   for arm, s in result["summary"].items():
     goal = {True: "met", False: "missed"}.get(s.get("goal_met"), "—")

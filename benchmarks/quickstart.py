@@ -71,8 +71,8 @@ def read_metrics(workdir: str) -> dict:
 def unigram_baselines(workdir: str) -> dict:
   """Byte-unigram cross-entropy (train model) and entropy of the held-out split, nats."""
   sys.path.insert(0, ROOT)
-  from zerojax import data  # pylint: disable=import-outside-toplevel
-  from zerojax.config import load_config  # pylint: disable=import-outside-toplevel
+  from zerojax import data
+  from zerojax.config import load_config
   c = load_config(os.path.join(ROOT, CONFIG), [], num_devices=1)
   train_tokens, eval_tokens = data.load_tokens(c.data, c.model.vocab_size, c.train.seq_len,
                                                cache_dir=workdir)

@@ -11,7 +11,7 @@ largest fp32 buffers alive at each program's peak:
 import argparse
 import tempfile
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 
 def main():
@@ -26,9 +26,10 @@ def main():
   import jax.numpy as jnp
 
   import zerojax
-  from zerojax import optim, xla_dump
+  from zerojax import optim
   from zerojax.models.mlp_lm import MlpLM
   from zerojax.release import make_release_step
+  from zerojax.runtime import xla_dump
 
   bf16 = jnp.bfloat16
   model = MlpLM(vocab_size=64, d_model=args.d_model, d_ff=args.d_ff, n_layers=args.layers,

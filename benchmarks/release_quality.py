@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {"plain": (False, 1), "release": (True, 1), "accumulate": (False, None),

@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "sequence_parallel.json")
@@ -31,7 +31,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
   args = parser.parse_args()
   fake_cpu_devices(8)
-  from sft_throughput import interleaved, setup  # pylint: disable=import-outside-toplevel
+  from sft_throughput import interleaved, setup
 
   results = []
   for seq_len in map(int, args.seq_lens.split(",")):

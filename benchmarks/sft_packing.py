@@ -3,7 +3,7 @@
     python benchmarks/sft_packing.py              # ~3 minutes on 2 CPU cores
     python benchmarks/sft_packing.py --seq_len 256     # ~1 minute
 
-One chat JSONL (`zerojax.sft_demo.chats`: a system line, a user task, the assistant's
+One chat JSONL (`zerojax.data.sft_demo.chats`: a system line, a user task, the assistant's
 answer; ~60 tokens each through the built-in Llama 3 template and the demo's byte
 tokenizer), trained by configs/sft_tiny.py's model at ZeRO stage 3 with gradient release
 (`optimizer.release`, per-layer clipping) on 8 fake CPU devices, once with examples
@@ -21,7 +21,7 @@ import os
 import statistics
 import tempfile
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "sft_packing.json")
@@ -30,7 +30,7 @@ SYSTEM = "You are a careful assistant. Answer with the result only."
 
 def write_chats(folder: str, n: int) -> dict[str, str]:
   """chats.jsonl (`n` conversations) and the byte tokenizer in `folder`."""
-  from zerojax import sft_demo  # pylint: disable=import-outside-toplevel
+  from zerojax.data import sft_demo
   paths = {"path": os.path.join(folder, "chats.jsonl"),
            "tokenizer": os.path.join(folder, "tokenizer.json")}
   with open(paths["path"], "w", encoding="utf-8") as f:

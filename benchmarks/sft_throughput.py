@@ -23,9 +23,10 @@ import time
 import jax
 
 import zerojax
-from zerojax import data, sft
+from zerojax import data
 from zerojax.build import build
 from zerojax.config import load_config
+from zerojax.data import sft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "sft_throughput.json")

@@ -37,7 +37,7 @@ args = ARGS.parse_args()
 args.rounds = args.rounds or (4 if args.quick else 8)
 
 # pylint: disable=wrong-import-position
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 fake_cpu_devices(args.devices, memory_flags=False)  # Before JAX starts a backend.
 
@@ -47,8 +47,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
-from zerojax import data, models, optim, precision
+from zerojax import data, models, optim
 from zerojax.config import load_config
+from zerojax.optim import precision
 from zerojax.testing import markdown_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -33,7 +33,7 @@ ARGS.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
 args = ARGS.parse_args()
 
 # pylint: disable=wrong-import-position
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 # Before JAX starts a backend. A device count inherited from the parent (by the
 # 64-device child) is replaced; any other flag is kept.
@@ -345,10 +345,10 @@ def report(res):
 
 def plot(res):
   """zero_step.png: the three ratios against their goals."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  from matplotlib.lines import Line2D  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
+  from matplotlib.lines import Line2D
   fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
   names = list(RECIPES)
   devices = sorted({r["devices"] for r in res["memory"]})

@@ -27,8 +27,8 @@ import tempfile
 
 import ml_collections
 
-from zerojax import sft_demo
 from zerojax.config import load_config
+from zerojax.data import sft_demo
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "70b_8x80gb.py")
 

@@ -7,7 +7,7 @@
 init_from: a Hugging Face Llama folder (config.json + safetensors) to fine-tune from.
 The model section must match its config.json (it does for Llama 3.1 8B; a mismatch is
 an error listing the keys and the overrides that fix them). Export back with
-`python -m zerojax.export --workdir runs/x --out DIR`.
+`python -m zerojax.hf.export --workdir runs/x --out DIR`.
 
 Hardware: 8 GPUs of 80 GB (one 4096-token sequence per device and step).
 """

@@ -1,7 +1,7 @@
 """Every key at its default: the starting point to copy for a config of your own.
 
 The schema (each key's default, type, choices, range and a line of help) lives in the
-package, `zerojax/schema.py`; `python -m zerojax.config --keys` prints it. A config file
+package, `zerojax/config/schema.py`; `python -m zerojax.config --keys` prints it. A config file
 is any Python file with a `get_config()` that starts from `base_config()` and changes
 values; a key the schema does not define is an error.
 

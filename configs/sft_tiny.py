@@ -3,7 +3,7 @@
     python train.py --config configs/sft_tiny.py
     python train.py --config configs/sft_tiny.py --config.data.pack=False --workdir runs/sft
 
-Data: `zerojax.sft_demo` writes 20,000 {prompt, completion} tasks (sums and differences of
+Data: `zerojax.data.sft_demo` writes 20,000 {prompt, completion} tasks (sums and differences of
 two numbers below 100, reversing or sorting a short word), 200 held-out prompts not in
 them and a byte-level tokenizer into <tmp>/zerojax-sft-tiny-v1 the first time this file
 is read; nothing is downloaded. The model, optimizer, batch and steps are
@@ -17,8 +17,8 @@ import tempfile
 
 import ml_collections
 
-from zerojax import sft_demo
 from zerojax.config import load_config
+from zerojax.data import sft_demo
 
 TINY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")
 

@@ -6,7 +6,7 @@ import os
 import jax
 import pytest
 
-from zerojax.devices import fake_cpu_devices
+from zerojax.runtime.devices import fake_cpu_devices
 
 # Compiling is most of an in-process test's CPU time, and LLVM's level changes only the
 # machine code, not the HLO passes: buffer assignment (argument, output, temp and alias

@@ -1,5 +1,5 @@
 """The chain a fine-tuning user runs, as one test on 8 CPU devices: a Hugging Face Llama
-folder → train.py packed chat SFT with gradient release at stage 3 → `zerojax.export` →
+folder → train.py packed chat SFT with gradient release at stage 3 → `zerojax.hf.export` →
 the exported folder re-imported → `zerojax.generate --chat` from the exported folder
 and from the workdir. Each CLI's `main` runs in this process (the same 8 devices the
 command would have; no JAX start per step). With `transformers` and a CPU `torch`
@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import zerojax.train
-from zerojax import chat, export, sft_demo
+from zerojax import hf
+from zerojax.data import chat, sft_demo
 from zerojax.generate import cli as generate_cli
-from zerojax.models import hf
+from zerojax.hf import export
 from zerojax.models.llama import LlamaLM
 
 from test_hf import bits, hf_config, hf_weights, plan_for, write_hf

@@ -22,9 +22,11 @@ from orbax.checkpoint._src.serialization import serialization
 
 import zerojax
 import zerojax.train
-from zerojax import checkpoint, checksums, exits, optim, preemption
-from zerojax.checkpoint import orbax_quirks
+from zerojax import checkpoint, optim
+from zerojax.checkpoint import checksums, orbax_quirks
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.run import preemption
+from zerojax.runtime import exits
 from zerojax.step import state_shardings
 
 from test_train import TINY, checkpoint_files

@@ -16,8 +16,9 @@ import time
 import numpy as np
 import pytest
 
-from zerojax import exits, memory_report
-from zerojax.devices import fake_devices_env
+from zerojax.memory import report as memory_report
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -149,9 +150,9 @@ def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
 
 
 @pytest.mark.parametrize("command", [[TRAIN], ["-m", "zerojax.config"], ["-m", "zerojax.memory"],
-                                     ["-m", "zerojax.launch"]])
+                                     ["-m", "zerojax.run.launch"]])
 def test_help_prints_usage_and_exits_0(command):
   result = run(*command, "--help")
   assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
-  if command[-1] != "zerojax.launch":  # The launcher takes no config; the others say how.
+  if command[-1] != "zerojax.run.launch":  # The launcher takes no config; the others say how.
     assert "--config PATH" in result.stdout and "--config.KEY VALUE" in result.stdout

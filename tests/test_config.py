@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from zerojax import config as zc, config_schema
+from zerojax import config as zc
+from zerojax.config import checks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.py")
@@ -307,7 +308,7 @@ def test_good_precision_combinations_load(overrides):
   config = zc.load_config(TINY, overrides, num_devices=8)
   for override in overrides:
     key, value = override.split("=")
-    parent, name = config_schema.parent_of(config, key)
+    parent, name = checks.parent_of(config, key)
     assert str(parent[name]) == value or float(parent[name]) == float(value), (key, parent[name])
 
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from zerojax import exits
+from zerojax.runtime import exits
 
 from test_train import (
   REPO,
@@ -181,7 +181,7 @@ def test_a_lock_whose_holder_died_is_taken_over(tmp_path):
        str(tmp_path)], cwd=REPO, env=train_env(), stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == "held\n"
-    from zerojax import workdir  # pylint: disable=import-outside-toplevel
+    from zerojax.run import workdir
     with pytest.raises(workdir.WorkdirInUse, match=f"in use by pid {holder.pid} on host"):
       with workdir.lock(str(tmp_path)):
         pass
@@ -218,7 +218,7 @@ def test_launcher_passes_75_through_without_killing_the_others():
             "print('saved', flush=True)\n"
             "sys.exit(int(sys.argv[1].split(',')[rank]))\n")
   launch = lambda codes: subprocess.run(
-      [sys.executable, "-m", "zerojax.launch", "--nproc", "3", "--grace", "1", "--",
+      [sys.executable, "-m", "zerojax.run.launch", "--nproc", "3", "--grace", "1", "--",
        sys.executable, "-c", script, codes], cwd=REPO, capture_output=True, text=True,
       timeout=60)
   for codes, status in (("75,75,75", exits.STOPPED), ("75,0,75", exits.STOPPED)):
@@ -246,7 +246,7 @@ def test_launcher_passes_sigterm_to_every_process_and_a_second_one_kills():
             "time.sleep(60)\n")
 
   def launch(who: str, signals: int) -> tuple[int, list[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--",
+    proc = subprocess.Popen([sys.executable, "-m", "zerojax.run.launch", "--nproc", "2", "--",
                              sys.executable, "-c", script, who], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines, changed = [], threading.Condition()

@@ -14,9 +14,11 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 import zerojax.train
-from zerojax import exits, export, generate
+from zerojax import generate
 from zerojax.generate import cli, sampling
+from zerojax.hf import export
 from zerojax.models import MlpLM, llama
+from zerojax.runtime import exits
 
 V, MAX_PROMPT = 64, 40
 CONFIG = llama.LlamaConfig(vocab_size=V, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -238,7 +240,7 @@ def test_cli_answers_from_a_checkpoint_and_its_hf_folder_with_the_same_ids(tmp_p
 
 
 def test_the_planner_shows_the_cache_of_a_generation(capsys):
-  from zerojax import memory_report  # pylint: disable=import-outside-toplevel
+  from zerojax.memory import report as memory_report
   assert memory_report.main(["--config", "configs/tiny.py", "--devices", "8",
                              "--generate", "12x100"]) == 0
   # 12 prompts -> 16 rows, 2 a device; 100 tokens -> 128: 2 x 4 x 2 x 128 x 2 x 32 x 2 B.

@@ -1,5 +1,5 @@
 """The GPU targets from the command line: `python -m zerojax.memory --target`, `train.py
---dry_run --target`, `python -m zerojax.gpu.fit`, and the 70B numbers the README states.
+--dry_run --target`, `python -m zerojax.memory.fit`, and the 70B numbers the README states.
 
 In-process (the test session's 8 CPU devices are the ones a target of 8 traces over);
 needs JAX's CUDA plugin (the `gpu-compile` extra), skipped with the reason otherwise.
@@ -15,13 +15,14 @@ import jax
 import pytest
 
 import zerojax
-from zerojax import build, memory_report, train
+from zerojax import build, train
 from zerojax.config import ConfigError, load_config
 from zerojax.generate import cache, decode
-from zerojax.gpu import compile as gpu_compile, fit, targets
+from zerojax.gpu import compile as gpu_compile, targets
+from zerojax.memory import fit, report as memory_report
+from zerojax.runtime.units import fmt_bytes
 from zerojax.streaming import schedule
 from zerojax.testing import hlo
-from zerojax.units import fmt_bytes
 
 from test_gpu_targets import compile_config, stack_shards
 from test_memory_claims import planned

@@ -1,4 +1,4 @@
-"""Hugging Face Llama import/export (zerojax.models.hf) against a float64 numpy Llama
+"""Hugging Face Llama import/export (zerojax.hf) against a float64 numpy Llama
 written here from the HF definition (modeling_llama.py), and train.py's --init_from."""
 
 import json
@@ -14,10 +14,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import zerojax.train
-from zerojax import exits, export, make_mesh, make_plan
-from zerojax.devices import fake_devices_env
-from zerojax.models import hf, llama
+from zerojax import hf, make_mesh, make_plan
+from zerojax.hf import export
+from zerojax.models import llama
 from zerojax.models.llama import LlamaLM
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(V=64, D=32, L=2, H=4, K=2, F=64)
@@ -320,8 +322,8 @@ def run_train(*args):
 
 
 def test_train_init_from_hf(tmp_path, capsys):
-  from zerojax import data  # pylint: disable=import-outside-toplevel
-  from zerojax.config import base_config  # pylint: disable=import-outside-toplevel
+  from zerojax import data
+  from zerojax.config import base_config
   shape = dict(V=256, D=32, L=2, H=4, K=2, F=64)
   # A context of 8 positions, trained at 16: allowed (context extension), with a warning.
   write_hf(tmp_path / "hf", hf_weights(**shape), dict(hf_config(**shape),
@@ -369,7 +371,7 @@ def test_train_init_from_hf(tmp_path, capsys):
 
 def test_export_without_a_checkpoint_is_one_error_line(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "zerojax.export", "--workdir", str(tmp_path), "--out",
+      [sys.executable, "-m", "zerojax.hf.export", "--workdir", str(tmp_path), "--out",
        str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == exits.BAD_INPUT, result.stderr[-2000:]

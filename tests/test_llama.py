@@ -264,7 +264,7 @@ def test_param_shapes_are_what_init_makes(model):
 
 
 def test_config_from_model_keys_takes_fields_by_name():
-  from zerojax.schema import base_config  # pylint: disable=import-outside-toplevel
+  from zerojax.config.schema import base_config
   m = base_config().model
   m.update(d_model=64, n_heads=8, rope_scaling_factor=8.0, rope_original_context=64, context=3)
   c = llama.LlamaConfig.from_keys(m, param_dtype=jnp.float32)

@@ -1,4 +1,4 @@
-"""Tests for the memory planner (zerojax.memory, zerojax.memory_report, zerojax.build)."""
+"""Tests for the memory planner (zerojax.memory, zerojax.memory.report, zerojax.build)."""
 
 import concurrent.futures
 import dataclasses
@@ -13,8 +13,10 @@ import jax
 import pytest
 
 import zerojax
-from zerojax import memory, memory_report, models, optim, units
+from zerojax import memory, models, optim
 from zerojax.config import load_config
+from zerojax.memory import report as memory_report
+from zerojax.runtime import units
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")

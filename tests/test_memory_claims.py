@@ -12,9 +12,11 @@ import re
 
 import pytest
 
-from zerojax import gpu, memory, memory_report
+from zerojax import memory
 from zerojax.config import load_config
 from zerojax.gpu import targets
+from zerojax.memory import report as memory_report
+from zerojax.runtime import platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "GB": 1e9}
@@ -35,7 +37,7 @@ def planned(name: str, overrides=(), target="h100:8"):
   path = name if name.endswith(".py") else os.path.join(ROOT, "configs", f"{name}.py")
   config = load_config(path, list(overrides), num_devices=spec.devices)
   budget, _ = memory_report.target_budget(config, spec.target)
-  with gpu.targeting():
+  with platform.targeting():
     return memory.estimate(config, spec.devices, budget), budget
 
 
@@ -138,7 +140,7 @@ def test_the_8b_longest_sequence_on_8_h100s():
   overrides = ["mesh.sequence_parallel=True", "mesh.data=1", "train.global_batch_size=1"]
   _, budget = planned("8b_bf16", overrides)
   config = load_config(os.path.join(ROOT, "configs", "8b_bf16.py"), overrides, num_devices=8)
-  with gpu.targeting():
+  with platform.targeting():
     found = memory.longest_sequence(config, 8, budget)
   assert found.setup.seq_len == 1_122_304
   assert stated(found.total, "74.60 GiB") == "74.60 GiB"

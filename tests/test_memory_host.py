@@ -12,8 +12,10 @@ import jax
 import pytest
 
 import zerojax
-from zerojax import memory, memory_report, metrics, models, optim
+from zerojax import memory, models, optim
 from zerojax.gpu import host_link, targets
+from zerojax.memory import report as memory_report
+from zerojax.run import metrics
 
 from test_memory import CONFIGS, config
 

@@ -5,7 +5,7 @@ import io
 import pytest
 from rich.console import Console
 
-from zerojax import metrics
+from zerojax.run import metrics
 
 # A long run's numbers at their widest: a million steps, days left, millions of tokens/s.
 VALUES = {"loss": 11.7654, "grad_norm": 123.456, "learning_rate": 1.23e-05,

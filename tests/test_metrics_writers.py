@@ -1,4 +1,4 @@
-"""The metrics writers (zerojax.metrics): W&B offline across a resume, and its config error.
+"""The metrics writers (zerojax.run.metrics): W&B offline across a resume, and its config error.
 
 TensorBoard through train.py, stopped and resumed:
 tests/test_train.py::test_stop_and_resume_is_exact.
@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from zerojax import config as zc, exits, metrics
+from zerojax import config as zc
 from zerojax.config import ConfigError, base_config, validate
+from zerojax.run import metrics
+from zerojax.runtime import exits
 from zerojax.testing import run_logs
 
 

@@ -7,9 +7,9 @@ One module fixture runs train.py five times, two at a time (all fp32, constant l
 - `killed`: 2 processes x 4 devices, stage 3, started directly; process 1 is SIGKILLed
   after step 11; process 0 must stop by itself, at once, with one line (default settings);
 - `one_from_two`: 1 process x 8 devices resumes the killed run's step-10 checkpoint;
-- `two_from_one`: `python -m zerojax.launch` 2 x 4, stage 1 on the hybrid mesh (data=2
+- `two_from_one`: `python -m zerojax.run.launch` 2 x 4, stage 1 on the hybrid mesh (data=2
   across the processes, fsdp=4 inside each) resumes `ref`'s step-10 checkpoint;
-- `coordinator_killed`: `python -m zerojax.launch` 2 x 4; process 0 is SIGKILLed after
+- `coordinator_killed`: `python -m zerojax.run.launch` 2 x 4; process 0 is SIGKILLed after
   step 11; process 1 and the launcher must say so.
 
 Every subprocess is bounded by a timeout; coordinator ports come from binding port 0.
@@ -30,9 +30,10 @@ import time
 import numpy as np
 import pytest
 
-from zerojax import distributed, exits, launch, peers
 from zerojax.config import ConfigError, base_config
-from zerojax.devices import fake_devices_env
+from zerojax.run import distributed, launch, peers
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -100,7 +101,7 @@ class Proc:
 
 
 def launched(launcher: subprocess.Popen, rank: int) -> int:
-  """The pid of `python -m zerojax.launch`'s process `rank` (Linux: /proc)."""
+  """The pid of `python -m zerojax.run.launch`'s process `rank` (Linux: /proc)."""
   children = open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()
   for pid in children:
     if f"ZEROJAX_PROCESS_ID={rank}".encode() in open(f"/proc/{pid}/environ",
@@ -148,8 +149,8 @@ def runs(tmp_path_factory):
     shutil.copytree(root / "killed" / "checkpoints" / "10", root / "one" / "checkpoints" / "10")
     shutil.copytree(root / "ref" / "checkpoints" / "10", root / "two" / "checkpoints" / "10")
     one = Proc([sys.executable, TRAIN, *TINY, f"--workdir={root / 'one'}"], one_process_env())
-    launch_cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process",
-                  "4", "--", sys.executable, TRAIN, *TINY]
+    launch_cmd = [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2",
+                  "--devices_per_process", "4", "--", sys.executable, TRAIN, *TINY]
     two = Proc([*launch_cmd, "--config.zero.stage=1", "--config.mesh.data=2",
                 f"--workdir={root / 'two'}"], one_process_env(1))
     coordinator_killed = Proc(launch_cmd, one_process_env(1), watch="[0] step     11/20")
@@ -242,8 +243,8 @@ def test_sigterm_stops_every_process_after_one_step_and_the_resume_is_exact(runs
   same command with train.steps=10 resumes from s, and every step and checkpoint 10 are
   the uninterrupted `killed` run's, bit for bit. Each process stopping on its own signal
   would leave process 0 training on alone."""
-  from test_train import checkpoint_leaves  # pylint: disable=import-outside-toplevel
-  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+  from test_train import checkpoint_leaves
+  cmd = [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2", "--devices_per_process", "4",
          "--", sys.executable, TRAIN, *TINY, f"--workdir={tmp_path}"]
   run = Proc(cmd, one_process_env(1), watch="[0] step      3/20")
   try:
@@ -362,9 +363,9 @@ def test_launcher_stops_the_others_and_returns_the_first_failure():
             "time.sleep(0.5)\n"
             "sys.exit(3) if rank == 1 else time.sleep(60)\n")
   start = time.monotonic()
-  result = subprocess.run([sys.executable, "-m", "zerojax.launch", "--nproc", "3", "--grace", "2",
-                           "--", sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+  result = subprocess.run([sys.executable, "-m", "zerojax.run.launch", "--nproc", "3",
+                           "--grace", "2", "--", sys.executable, "-c", script], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
   assert result.returncode == 3, result.stderr
   assert time.monotonic() - start < 30
   assert sorted(result.stdout.splitlines()) == ["[0] hello 3", "[1] hello 3", "[2] hello 3"]
@@ -452,7 +453,7 @@ def test_strangers_at_every_port_do_not_stop_the_run(tmp_path):
   saying why (the forged hello: not proving the run's secret; the silent one after
   `HELLO_SECONDS`), and the run finishes with status 0."""
   port = launch.free_port()
-  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+  cmd = [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2", "--devices_per_process", "4",
          "--port", str(port), "--", sys.executable, TRAIN, *TINY, "--config.train.steps=160",
          "--config.checkpoint.every_steps=0", f"--workdir={tmp_path}"]
   run = Proc(cmd, one_process_env(1), watch="[0] step      1/160")
@@ -494,7 +495,7 @@ def test_a_hung_process_stops_every_process_with_its_stack(tmp_path):
   `train.step_timeout=10`: every process exits `HUNG` within the timeout + 10 s, process
   1's stderr holds the stack of the thread stuck in the hook, and the last committed
   checkpoint (step 20) resumes in one process."""
-  cmd = [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+  cmd = [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2", "--devices_per_process", "4",
          "--", sys.executable, TRAIN, *TINY, "--config.train.steps=40",
          "--config.train.step_timeout=10", f"--workdir={tmp_path}"]
   env = dict(one_process_env(1), ZEROJAX_TEST_STALL="1:25")

@@ -107,7 +107,7 @@ def test_nnx_equals_linen_at_every_stage(example):
 
 
 def test_state_besides_params_is_refused():
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax import nnx
   create = lambda rngs: nnx.BatchNorm(8, rngs=rngs)
   with pytest.raises(ValueError, match="BatchStat"):
     zerojax.from_nnx(create, lambda module, batch, rng: 0.0)

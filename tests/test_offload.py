@@ -11,21 +11,12 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import (
-  build,
-  checkpoint,
-  exits,
-  memory,
-  memory_report,
-  models,
-  optim,
-  streaming,
-  units,
-  zero,
-)
+from zerojax import build, checkpoint, memory, models, optim, streaming, zero
 from zerojax.config import ConfigError, base_config
+from zerojax.memory import report as memory_report
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.release import make_release_step
+from zerojax.runtime import exits, units
 
 import test_memory
 from test_release import SMALL, batches, relative

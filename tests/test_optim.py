@@ -13,8 +13,9 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import optim, update_rules, updates
+from zerojax import optim, updates
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.optim import update_rules
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

@@ -13,11 +13,12 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import optim, precision
+from zerojax import optim
 from zerojax.config import base_config
-from zerojax.devices import fake_devices_env
 from zerojax.models.mlp_lm import MlpLM
-from zerojax.precision import LossScaling, NonFiniteError
+from zerojax.optim import precision
+from zerojax.optim.precision import LossScaling, NonFiniteError
+from zerojax.runtime.devices import fake_devices_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")

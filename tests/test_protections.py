@@ -23,8 +23,9 @@ import types
 import pytest
 
 import zerojax.train
-from zerojax import exits, peers, watchdog
 from zerojax.config import ConfigError
+from zerojax.run import peers, watchdog
+from zerojax.runtime import exits
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A 1-layer model small enough that this process compiles its step in seconds.

@@ -11,11 +11,13 @@ import optax
 import pytest
 
 import zerojax
-from zerojax import optim, precision, xla_dump
-from zerojax.devices import CPU_MEMORY_FLAGS
+from zerojax import optim
 from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.optim import precision
 from zerojax.release import make_release_step
+from zerojax.runtime import xla_dump
+from zerojax.runtime.devices import CPU_MEMORY_FLAGS
 
 SMALL = dict(vocab_size=64, d_model=32, d_ff=64, n_layers=3, context=4)
 # Two attention blocks and two loss chunks per 16-token sequence; remat 'full', so the

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import zerojax
-from zerojax import optim, sft
+from zerojax import optim
+from zerojax.data import sft
 from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.release import make_release_step
 

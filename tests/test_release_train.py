@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import zerojax.train
-from zerojax import exits
-from zerojax.devices import fake_devices_env
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 
 from test_train import REPO, TINY, TRAIN, run_train
 
@@ -102,7 +102,7 @@ def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
 
 def test_release_on_2_processes_matches_1_process(tmp_path):
   """fp32, optimizer accumulation over 2 microbatches, clipping by the previous norm:
-  `zerojax.launch` 2 processes x 4 CPU devices (gloo collectives between them) give the
+  `zerojax.run.launch` 2 processes x 4 CPU devices (gloo collectives between them) give the
   losses of 1 process x 8 devices, step by step, within fp32 reduction-order noise."""
   args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
           "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
@@ -114,7 +114,7 @@ def test_release_on_2_processes_matches_1_process(tmp_path):
   assert one.returncode == exits.DONE, one.stderr[-3000:]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "JAX_COORD"))}
   two = subprocess.run(
-      [sys.executable, "-m", "zerojax.launch", "--nproc", "2", "--devices_per_process", "4",
+      [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2", "--devices_per_process", "4",
        "--", sys.executable, TRAIN, *args, f"--config.workdir={tmp_path / 'two'}"],
       cwd=REPO, env=fake_devices_env(1, base=env), capture_output=True, text=True,
       timeout=300)

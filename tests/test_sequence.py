@@ -122,7 +122,7 @@ def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_e
   over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls,
   and 2 steps, a stop, 2 more = 4 straight (every step's metrics, and the last
   checkpoint bit for bit)."""
-  from test_train import checkpoint_leaves, step_records  # pylint: disable=import-outside-toplevel
+  from test_train import checkpoint_leaves, step_records
   common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
       "mesh.sequence_parallel=True", "model.n_heads=8", "model.n_layers=1", "model.d_model=32",
       "model.d_ff=96", "train.seq_len=8192", "train.global_batch_size=1",

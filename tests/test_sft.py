@@ -1,5 +1,5 @@
-"""Tests for zerojax.sft and zerojax.chat on real files: formats, masks, chat templates, bad
-lines, batch order and resume, process rows; train.py's exit on unusable data."""
+"""Tests for zerojax.data.sft and zerojax.data.chat on real files: formats, masks, chat
+templates, bad lines, batch order and resume, process rows; train.py's exit on unusable data."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import jinja2
 import numpy as np
 import pytest
 
-from zerojax import chat, data, sft, sft_demo
+from zerojax import data
 from zerojax.config import base_config
-from zerojax.data import DataError
+from zerojax.data import DataError, chat, sft, sft_demo
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -211,7 +211,7 @@ def test_train_py_exits_2_when_no_example_is_usable(tmp_path):
   import subprocess
   import sys
 
-  from zerojax.devices import fake_devices_env
+  from zerojax.runtime.devices import fake_devices_env
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"prompt": "1+1="}\nnot json\n{"messages": [{"role": "user", "content": "x"}]}\n')

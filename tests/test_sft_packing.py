@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax import sft, sft_demo
 from zerojax.config import base_config
+from zerojax.data import sft, sft_demo
 from zerojax.models import llama
 
 pytest.importorskip("tokenizers")

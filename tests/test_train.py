@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zerojax import data, exits, metrics, optim, sft_demo
+from zerojax import data, optim
 from zerojax.checkpoint import layout
 from zerojax.config import base_config
-from zerojax.devices import fake_devices_env
+from zerojax.data import sft_demo
 from zerojax.mesh import make_mesh
+from zerojax.run import metrics
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 from zerojax.testing import run_logs
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
@@ -205,7 +208,7 @@ def step_records(workdir) -> list[dict]:
 def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
   """{leaf name (`layout.name`): array} of a checkpoint's whole train state, read from
   disk by orbax as it wrote it (no target)."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp
   path = os.path.join(step_dir, "state")
   with ocp.PyTreeCheckpointer() as reader:
     tree = reader.metadata(path).item_metadata.tree
@@ -283,7 +286,7 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
     # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
     # files (loadable, the same ids), the chat template trained with, bos/eos ids.
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "zerojax.export", f"--workdir={resumed}",
+    done = subprocess.run([sys.executable, "-m", "zerojax.hf.export", f"--workdir={resumed}",
                            f"--out={out}"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import zerojax.train
-from zerojax import build, checkpoint, exits, optim
+from zerojax import build, checkpoint, optim
 from zerojax.checkpoint import layout
+from zerojax.runtime import exits
 
 from test_train import checkpoint_leaves
 

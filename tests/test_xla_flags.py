@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from zerojax import xla_flags
 from zerojax.config import load_config
+from zerojax.gpu import xla_flags
+from zerojax.gpu.xla_flags import flag_name
 from zerojax.models import llama
-from zerojax.xla_flags import flag_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_8B = os.path.join(ROOT, "configs", "8b_bf16.py")
@@ -110,7 +110,7 @@ def test_on_gpu_reads_jax_platforms_else_looks_for_a_cuda_plugin():
 
 
 def test_cli_prints_the_profile():
-  out = subprocess.run([sys.executable, "-m", "zerojax.xla_flags", "--config", CONFIG_8B],
+  out = subprocess.run([sys.executable, "-m", "zerojax.gpu.xla_flags", "--config", CONFIG_8B],
                        capture_output=True, text=True, check=True, cwd=ROOT).stdout
   assert "--xla_gpu_enable_pipelined_reduce_scatter=true: stage 3" in out
   assert out.strip().splitlines()[-1].startswith("XLA_FLAGS='--xla_gpu_enable_latency_hiding")

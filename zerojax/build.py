@@ -5,11 +5,23 @@ is the step that trains.
 `build(config)` makes the mesh, the model, the optimizer and its schedule, the ZeRO
 plan and the jitted train step, plus abstract (sharded `jax.ShapeDtypeStruct`) inputs
 to lower that step with: nothing is allocated. `compile_step` compiles it (and can dump
-what XLA made of it, for `zerojax.xla_dump`).
+what XLA made of it, for `zerojax.runtime.xla_dump`).
 """
 
 import time
 from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+import zerojax
+from zerojax import models, optim, streaming
+from zerojax.config import ConfigError
+from zerojax.data import sft
+from zerojax.mesh import mesh_from_config, processes_per_group
+from zerojax.optim import precision
+from zerojax.release import make_release_step
 
 
 class Built(NamedTuple):
@@ -39,15 +51,7 @@ def build(config, devices=None) -> Built:
     A `Built`; `built.train_step.lower(built.abstract_state, built.abstract_batch)`
     compiles the step without allocating anything.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
 
-  import zerojax  # pylint: disable=import-outside-toplevel
-  from zerojax import models, optim, precision, sft  # pylint: disable=import-outside-toplevel
-  from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
-  from zerojax.mesh import mesh_from_config, processes_per_group  # pylint: disable=import-outside-toplevel
-  from zerojax.release import make_release_step  # pylint: disable=import-outside-toplevel
 
   c, t = config, config.train
   mesh = mesh_from_config(c, devices)
@@ -93,8 +97,6 @@ def check_offload(config, device) -> None:
   """ConfigError (exit 2) for an offload to host memory (`optimizer.offload`,
   `zero.param_offload`, `model.activation_offload`) on a `device` that cannot address
   pinned host memory (validate.py's checks run before JAX is started; this one needs it)."""
-  from zerojax import streaming  # pylint: disable=import-outside-toplevel
-  from zerojax.config_schema import ConfigError  # pylint: disable=import-outside-toplevel
   for key, value in (("optimizer.offload", config.optimizer.offload),
                      ("zero.param_offload", config.zero.get("param_offload")),
                      ("model.activation_offload", config.model.get("activation_offload"))):
@@ -124,7 +126,6 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
   arguments, host = mem.argument_size_in_bytes, mem.host_argument_size_in_bytes
   # XLA:CPU counts host parameters among the arguments.
   if (built.plan.offload or built.plan.param_offload) and not host:
-    from zerojax import streaming  # pylint: disable=import-outside-toplevel
     host = streaming.host_parameter_bytes(compiled.as_text())
     arguments -= host
   return compiled, dict(arguments=arguments, temporaries=mem.temp_size_in_bytes,

@@ -36,7 +36,7 @@ def resolve_shape(sizes: Sequence[int], num_devices: int,
   """Fills in a single -1 with the devices left over.
 
   The one place mesh sizes are resolved: `make_mesh` and the config's checks
-  (`zerojax.validate.resolve_mesh_shape`, which passes its keys as `names`).
+  (`zerojax.config.rules.resolve_mesh_shape`, which passes its keys as `names`).
 
   Args:
     sizes: one size per mesh axis; at most one may be -1.

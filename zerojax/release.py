@@ -46,52 +46,19 @@ What release changes, each chosen explicitly (`check_release` refuses the rest):
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import (
-  gpu as zerojax_gpu,
-  optim,
-  precision,
-  sequence,
-  stage3,
-  step as step_lib,
-  streaming,
-  updates,
-  zero,
-)
+from zerojax import optim, sequence, stage3, step as step_lib, streaming, updates, zero
+from zerojax.layered import LayeredLoss
+from zerojax.optim import precision
+from zerojax.runtime import platform
 
 PyTree = Any
-
-
-class LayeredLoss(NamedTuple):
-  """A loss cut at its layer loop: what gradient release needs from a model.
-
-  `loss(params, batch) = head_loss(rest, layer(params[stack][L-1], ... layer(
-  params[stack][0], embed(rest, batch), batch) ..., batch), batch)`, where `rest` is
-  `params` without the `stack` key. Every function sees plain arrays (gathered, in the
-  param dtype). Every layer gets the (microbatch's) batch: what each layer reads of it
-  besides the carry (packed examples' positions and segment ids) is an input of the
-  step, the same for every layer, so it is passed, never carried or differentiated.
-
-  Attributes:
-    embed: `(rest, batch) -> carry`, the input of the first layer (any pytree).
-    layer: `(layer_params, carry, batch) -> carry`, one layer.
-    head_loss: `(rest, carry, batch) -> loss`, a scalar: the mean over the examples.
-    stack: the top-level key of the params dict that holds the layer stack (every
-      leaf below it has a leading layers axis; no other leaf has one).
-    offload: keep the layer inputs the backward pass needs in pinned host memory
-      between the passes (activation offload, `zerojax.streaming`).
-  """
-  embed: Callable[[PyTree, PyTree], PyTree]
-  layer: Callable[[PyTree, PyTree], PyTree]
-  head_loss: Callable[[PyTree, PyTree, PyTree], jax.Array]
-  stack: str
-  offload: bool = False
 
 
 ACCUMULATION = ("none", "optimizer")
@@ -270,7 +237,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # `read_ahead`), carried. Not on XLA:CPU unless asked: its host and device are one
     # RAM (the moves lower to nothing), and there the backward barrier costs a copy of
     # the stacks it reads (43 GiB of optimizer state at 70B).
-    ahead = read_ahead if read_ahead is not None else zerojax_gpu.backend() != "cpu"
+    ahead = read_ahead if read_ahead is not None else platform.backend() != "cpu"
     ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload
     params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
     state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)

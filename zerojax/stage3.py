@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax import gpu as zerojax_gpu, streaming
+from zerojax import streaming
+from zerojax.runtime import platform
 
 PyTree = Any
 
@@ -129,7 +130,7 @@ def after(tree: PyTree, deps: PyTree) -> PyTree:
     `tree`'s values.
   """
   deps = [d for d in jax.tree.leaves(deps) if d.size]
-  if zerojax_gpu.backend() != "cpu" or not deps or not jax.tree.leaves(tree):
+  if platform.backend() != "cpu" or not deps or not jax.tree.leaves(tree):
     return tree
   pred = jnp.bool_(True)
   for d in deps:

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import precision, sequence, stage3, streaming, updates, zero
+from zerojax import sequence, stage3, streaming, updates, zero
+from zerojax.optim import precision
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -93,7 +94,7 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     tx: the optimizer.
     rng: a PRNG key (raw uint32[2] or typed).
     loss_scaling: sets the initial loss scale (fp16); the default is a static 1.
-    params: start from these params (e.g. `zerojax.models.hf.load_params`, already
+    params: start from these params (e.g. `zerojax.hf.load_params`, already
       laid out by the plan) instead of `init_fn`; the optimizer state is initialised
       from them. They are donated: the state's params reuse their buffers.
 

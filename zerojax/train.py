@@ -16,7 +16,7 @@ parameter count and the compiled per-device memory of the step; then a progress 
 every train.log_every steps (loss, tokens/s, MFU where the device's peak is known, ETA)
 and the held-out loss every train.eval_every steps; with a workdir the same numbers go
 to <workdir>/metrics.jsonl and TensorBoard (<workdir>/tb), and to W&B with
-logging.wandb.project (zerojax/metrics.py). `--dry_run` compiles the step from
+logging.wandb.project (zerojax/run/metrics.py). `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
 `--fake_devices`) and exits; `--target h100:8` compiles it with XLA's GPU compiler for
 that GPU instead (zerojax.gpu: no GPU needed) and judges it against that GPU's memory as
@@ -26,7 +26,7 @@ is refused the same way before anything is allocated (not in a dry run). Several
 processes (README, Multi-host): the same command on each; exit status 4 if they do not
 all join within distributed.initialization_timeout. Stopped early by SIGTERM, Ctrl-C or
 --stop_after: saved, exit status 75; the same command resumes. Every status:
-zerojax/exits.py.
+zerojax/runtime/exits.py.
 """
 
 import argparse
@@ -42,25 +42,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import zerojax
-from zerojax import (
-  checkpoint,
-  data,
-  distributed,
-  exits,
-  generate,
-  memory,
-  memory_report,
-  metrics,
-  peers,
-  precision,
-  preemption,
-  sft,
-  streaming,
-  units,
-  watchdog,
-  workdir,
-  xla_flags,
-)
+from zerojax import checkpoint, data, generate, hf, memory, streaming
 from zerojax.build import Built, build, compile_step
 from zerojax.config import (
   ArgumentParser,
@@ -69,10 +51,15 @@ from zerojax.config import (
   load_config,
   parse_argv,
 )
-from zerojax.devices import fake_cpu_devices
+from zerojax.data import sft
+from zerojax.gpu import compile as gpu_compile, targets, xla_flags
+from zerojax.memory import report as memory_report
 from zerojax.mesh import processes_per_group
-from zerojax.models import hf
 from zerojax.models.attention import attention_kernel
+from zerojax.optim import precision
+from zerojax.run import distributed, metrics, peers, preemption, watchdog, workdir
+from zerojax.runtime import exits, units
+from zerojax.runtime.devices import fake_cpu_devices
 
 # The quick start's config in a checkout (beside its train.py); an installed package has
 # no configs/ folder, so there --config is required (a ConfigError that says so).
@@ -121,12 +108,11 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
     if not args.dry_run or args.fake_devices:
       parser.error("--target compiles for a GPU without one: it takes --dry_run, not "
                    "--fake_devices (the target names the device count: h100:8)")
-    from zerojax.gpu import compile as gpu_compile, targets  # noqa: PLC0415 (needs the extra)
     args.target_spec = targets.parse(args.target)
     gpu_compile.prepare(args.target_spec.devices)  # Before JAX starts a backend.
   if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
     # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
-    # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.devices).
+    # of the layer loop, so the CPU's numbers resemble a GPU's (zerojax.runtime.devices).
     fake_cpu_devices(args.fake_devices)
   if args.workdir is not None:
     overrides = [*overrides, f"workdir={args.workdir}"]
@@ -151,7 +137,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   """
   path, overrides, args = parse_args(argv)
   # Every config mistake surfaces here, before anything touches a device; then this
-  # process joins the others of a multi-host run (zerojax.distributed: config keys, env,
+  # process joins the others of a multi-host run (zerojax.run.distributed: config keys, env,
   # SLURM / Open MPI; none = one process; exit 4 if they do not all join in time), and
   # only then are the mesh and batch checked against the devices of all processes.
   unchecked = load_config(path, overrides)
@@ -205,7 +191,6 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   start = time.perf_counter()
   spec = args.target_spec
   if spec:  # XLA's GPU compiler, for a GPU this process does not have; nothing to run.
-    from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
     gpu = gpu_compile.compile_step(built, config, spec)
     train_step, mem, text = None, gpu.memory, gpu.hlo
     report(f"target {spec}: compiled by XLA's GPU compiler with the XLA flag profile "
@@ -444,7 +429,7 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """`train` with each error turned into its line and exit status (zerojax/exits.py).
+  """`train` with each error turned into its line and exit status (zerojax/runtime/exits.py).
 
   Args:
     argv: the command line after the program's name (default: sys.argv[1:]).

@@ -1,5 +1,10 @@
 """Checkpoints of the whole train state, on orbax's `CheckpointManager`.
 
+The checkpoint room: the checkpointer here, `layout` (the on-disk format and its
+migrations), `damage` (what a failed read says about the files), `checksums` (a leaf's
+checksum, computed on the devices), `orbax_quirks` and `errors`. It imports the train
+state (`zerojax.step`), the plan and the config.
+
 One checkpoint is a step directory holding `state` (the `TrainState`: params, optimizer
 state with its Kahan / master buffers, step, rng, loss scale) and `meta` (JSON: the step,
 the data position, the zerojax version, whatever the caller adds, e.g. the resolved
@@ -47,15 +52,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from zerojax import checksums, step as step_lib, zero
-from zerojax.checkpoint import damage, layout, orbax_quirks
+from zerojax import step as step_lib, zero
+from zerojax.checkpoint import checksums, damage, layout, orbax_quirks
 from zerojax.checkpoint.errors import (
   CheckpointError,
   DamagedCheckpointError,
   RestoreError,
   SaveError,
 )
-from zerojax.config_schema import flatten
+from zerojax.config.checks import flatten
 
 __all__ = ["Checkpointer", "CheckpointError", "DamagedCheckpointError", "RestoreError",
            "SaveError", "check_compatible", "layout"]

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import jax
 import ml_collections
 
-from zerojax import config_schema, schema
 from zerojax.checkpoint.errors import CheckpointError
+from zerojax.config import checks, schema
 
 FORMAT = 2  # What this code writes; every earlier one restores through MIGRATIONS.
 
@@ -53,7 +53,7 @@ class Leaf(NamedTuple):
   """A leaf of a checkpoint, as a format names it."""
   shape: tuple[int, ...]
   dtype: str  # numpy's name: "bfloat16", "float32", "int32", ...
-  checksum: int | None  # `zerojax.checksums` of the bits on disk; None: made by a migration.
+  checksum: int | None  # `checkpoint.checksums` of the bits on disk; None: made by a migration.
   disk: str | None  # The name orbax wrote it under; None: made by a migration as `fill`.
   fill: float = 0
 
@@ -104,7 +104,7 @@ def read(meta: Mapping[str, Any]) -> Saved:
   """The checkpoint's `meta` as a `Saved` of its own format."""
   fmt = int(meta.get("format", 1))
   leaves = {k: Leaf(tuple(v[0]), v[1], v[2], k) for k, v in meta["leaves"].items()}
-  config = config_schema.flatten(meta["config"])[0] if "config" in meta else None
+  config = checks.flatten(meta["config"])[0] if "config" in meta else None
   return Saved(fmt, fmt, str(meta.get("zerojax_version", "unknown")), leaves, config)
 
 
@@ -168,7 +168,7 @@ def config(saved: Saved, where: str) -> ml_collections.ConfigDict:
         f"zerojax {version()} does not know: {', '.join(unknown[:5])}; no migration maps them")
   c = schema.base_config()
   for key, value in saved.config.items():
-    parent, leaf = config_schema.parent_of(c, key)
+    parent, leaf = checks.parent_of(c, key)
     parent[leaf] = tuple(value) if isinstance(parent[leaf], tuple) else value
   return c
 

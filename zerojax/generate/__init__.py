@@ -1,5 +1,8 @@
 """Generation: a KV-cached decoder on the training mesh, and the uncached reference.
 
+The generation room. It imports the models, the step, the checkpoints and `zerojax.hf`
+(the CLI reads a train.py checkpoint or a Hugging Face folder).
+
     out = generate.generate(model, state.params, prompts, max_new=64, plan=built.plan)
     accuracy = generate.exact_match(model, state.params, held_out, 200, plan=built.plan)
     python -m zerojax.generate --workdir runs/sft --prompt "12+30="

@@ -5,11 +5,11 @@
     python -m zerojax.generate --workdir runs/sft --prompt "12+" --temperature 0.8 --top_p 0.9
 
 `--workdir` restores the checkpoint at stage 3 over every device (`export.restore`);
-`--hf` reads a Llama folder as `zerojax.export` writes it straight onto a stage-3 plan
+`--hf` reads a Llama folder as `zerojax.hf.export` writes it straight onto a stage-3 plan
 (`hf.load_params`), its tokenizer, chat template and end ids from the folder's files.
 Both decode with the KV cache on the params as sharded (`decode.generate`). A row stops
 at the end ids generation_config.json lists (EOS and the chat template's end of turn:
-for `--workdir`, the same ids `zerojax.export` would write), so an exported folder
+for `--workdir`, the same ids `zerojax.hf.export` would write), so an exported folder
 answers with the same token ids as its checkpoint.
 
 Output: one line per prompt, its answer (up to its stop id; newlines written as \\n);
@@ -25,8 +25,18 @@ import sys
 import types
 from typing import Any
 
-from zerojax import data, exits, sft
+import jax
+import jax.numpy as jnp
+
+import zerojax
+from zerojax import checkpoint, data, hf
+from zerojax.data import sft
+from zerojax.generate import decode, sampling
 from zerojax.generate.sampling import Sampling
+from zerojax.hf import export
+from zerojax.hf.safetensors_file import HFError
+from zerojax.models import LlamaLM
+from zerojax.runtime import exits
 
 
 class _BadArgs(ValueError):
@@ -48,7 +58,7 @@ def encode_prompt(d: Any, tokenizer: Any, prompt: str, as_chat: bool) -> tuple[l
   stops = {data.eos_token_id(tokenizer, d.tokenizer, d.eos_id)}
   if as_chat:
     template = sft._template(d.tokenizer)
-    from zerojax import chat  # pylint: disable=import-outside-toplevel
+    from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
     text = chat.render(template, [{"role": "user", "content": prompt}],
                        add_generation_prompt=True)
     stops.add(tokenizer.token_to_id(template.tokens.get("eos_token", "")))
@@ -80,7 +90,6 @@ def _parser() -> _Parser:
 
 def _from_workdir(args) -> tuple[Any, Any, Any, Any, Any, set]:
   """(model, plan, params, data section, tokenizer, end ids) of a train.py checkpoint."""
-  from zerojax import export  # pylint: disable=import-outside-toplevel
   config, built, state, _ = export.restore(args.workdir, args.step)
   d = config.data
   if not d.tokenizer:
@@ -96,12 +105,6 @@ def _from_workdir(args) -> tuple[Any, Any, Any, Any, Any, set]:
 
 def _from_hf(args) -> tuple[Any, Any, Any, Any, Any, set]:
   """(model, plan, params, data section, tokenizer, end ids) of a Hugging Face folder."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-  import jax.numpy as jnp
-
-  import zerojax
-  from zerojax.models import LlamaLM, hf
   raw = hf.read_config(args.hf)
   model = LlamaLM(hf.llama_config(args.hf, param_dtype=jnp.dtype(raw.get("torch_dtype",
                                                                          "bfloat16")),
@@ -136,10 +139,7 @@ def _json(path: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   """The CLI (see the module docstring); returns the exit status."""
-  # pylint: disable=import-outside-toplevel
-  from zerojax import chat, checkpoint
-  from zerojax.generate import decode, sampling
-  from zerojax.models.safetensors_file import HFError
+  from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
   try:
     args = _parser().parse_args(argv)
     settings = Sampling(args.temperature, args.top_k, args.top_p)

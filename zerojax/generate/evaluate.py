@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from zerojax import sft, zero
+from zerojax import zero
+from zerojax.data import sft
 from zerojax.generate import decode, reference
 
 

@@ -22,10 +22,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from zerojax import jax_internals, xla_flags
-from zerojax.devices import fake_cpu_devices
-from zerojax.gpu import targeting
+import jax
+from jax.experimental import topologies
+
+from zerojax.gpu import compat, xla_flags
 from zerojax.gpu.targets import TargetSpec, require_plugin, without_driver
+from zerojax.runtime import jax_internals
+from zerojax.runtime.devices import fake_cpu_devices
+from zerojax.runtime.platform import targeting
 
 
 class GpuCompiled(NamedTuple):
@@ -48,8 +52,6 @@ def prepare(num_devices: int) -> None:
   """
   require_plugin()
   if jax_internals.backends_started():  # Started (a test, a REPL):
-    import jax  # noqa: PLC0415  fine if it already has these devices.
-
     if jax.default_backend() != "cpu" or jax.device_count() != num_devices:
       raise RuntimeError(f"a GPU-target compile of {num_devices} devices traces over as many "
                          "CPU devices, and JAX already started with "
@@ -62,8 +64,6 @@ def prepare(num_devices: int) -> None:
 
 def devices(spec: TargetSpec) -> list:
   """The target's devices (compile-only), in (host, id) order."""
-  from jax.experimental import topologies  # noqa: PLC0415
-
   try:
     topology = topologies.get_topology_desc(platform="cuda", target_config=spec.target.proto,
                                             topology=spec.topology)
@@ -106,7 +106,6 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
     options: XLA debug options (`profile_options`).
     dump_to: also dump the optimized module and its buffer assignment there.
   """
-  from zerojax.gpu import compat  # noqa: PLC0415
 
   if mesh.devices.size != spec.devices:
     raise ValueError(f"the mesh has {mesh.devices.size} devices, the target {spec.devices}")

@@ -25,8 +25,8 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from zerojax import xla_flags
-from zerojax.config_schema import ConfigError
+from zerojax.config.checks import ConfigError
+from zerojax.gpu import compat, xla_flags
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
 ALIASES = {"a100": "a100_80gb", "4090": "rtx4090", "h100_sxm": "h100"}
@@ -93,7 +93,6 @@ def load(name: str) -> Target:
 
 def _versions() -> str:
   """The installed CUDA plugin's cuDNN and runtime versions as proto fields."""
-  from zerojax.gpu import compat  # noqa: PLC0415
 
   found = compat.cuda_versions()
   if found is None:

@@ -1,5 +1,10 @@
 """The memory planner: will a config fit on these devices, and if not, what to change.
 
+The planner room: the estimate (`spec`, `activations`, `bus`, `step`, `search`,
+`compiled`), its report and CLI (`report`, `zerojax-memory`) and `fit` (which GPUs can
+run a config). The highest room below `zerojax.train`: its report compiles the real step
+(`zerojax.build`, `zerojax.gpu`).
+
     python -m zerojax.memory --config configs/70b_bf16.py --devices 64 --device-memory 80GiB
     python -m zerojax.memory --config configs/1b_bf16.py --devices 8 --compile   # + XLA's numbers
 

@@ -1,8 +1,7 @@
-"""`python -m zerojax.memory`: the planner's CLI, which lives with its tables in
-`zerojax.memory_report` (this package, the planner, imports neither)."""
+"""`python -m zerojax.memory` (and `zerojax-memory`): the planner's CLI, `zerojax.memory.report`."""
 
 import sys
 
-from zerojax.memory_report import main
+from zerojax.memory.report import main
 
 sys.exit(main())

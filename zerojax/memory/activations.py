@@ -7,10 +7,10 @@ for everything but attention (`RunSpec.positions`); attention runs on the whole 
 (`sequence.ulysses.kv_repeats`).
 """
 
-from zerojax import gpu as zerojax_gpu
 from zerojax.memory.spec import DTYPE_BYTES, Counts, RunSpec
 from zerojax.models import remat as remat_policies
 from zerojax.models.attention import attention_kernel
+from zerojax.runtime import platform
 from zerojax.sequence import ulysses
 
 
@@ -42,7 +42,7 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   S = T if kernel == "dot_product" and not fused else min(s.attention_block, T)
   # The MLP's [.., d_ff] temporaries are for one chunk of positions (model.mlp_chunk).
   rows = b * min(s.mlp_chunk or local, local)
-  if s.model == "llama" and (s.sequence_parallel or zerojax_gpu.backend() != "gpu"):
+  if s.model == "llama" and (s.sequence_parallel or platform.backend() != "gpu"):
     attention, mlp = _layer_backward(s, S, rows, fused)
   else:  # mlp_lm (rough), and the GPU without sequence parallelism: calibrated at 4096
     # positions (docs/design/gpu-targets.md), its (T / S) n D term over-counts long sequences.
@@ -86,7 +86,7 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
   heads, kv = ((s.n_heads // s.fsdp, kv_width(s)) if s.sequence_parallel
                else (s.n_heads, s.n_kv_heads * Dh))
   q, n = heads * Dh, b * s.positions
-  if zerojax_gpu.backend() == "gpu":
+  if platform.backend() == "gpu":
     mlp = (rows * F * 4 + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
     if fused:
       return b * T * (q + kv) * 4 * cb + n * D * 6 * cb, mlp

@@ -5,6 +5,8 @@ import copy
 import dataclasses
 import math
 
+from zerojax.config import ConfigError
+from zerojax.config.rules import validate
 from zerojax.memory.spec import RunSpec, _as_setup
 from zerojax.memory.step import Estimate, estimate
 from zerojax.models.attention import attention_kernel
@@ -203,9 +205,6 @@ def longest_sequence(config, devices: int | None = None, device_memory: int = 0,
 
 
 def _valid(config, devices: int | None, seq_len: int) -> bool:
-  # pylint: disable=import-outside-toplevel
-  from zerojax.config import ConfigError
-  from zerojax.validate import validate
   candidate = copy.deepcopy(config)
   candidate.train.seq_len = seq_len
   try:

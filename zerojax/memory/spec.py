@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from zerojax import models
+from zerojax.config.rules import resolve_mesh_shape
 from zerojax.zero import StageBehaviour, local_shape, shard_dim
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -65,7 +66,6 @@ class RunSpec:
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
     """Raises ConfigError when the mesh does not fit `devices`."""
-    from zerojax.validate import resolve_mesh_shape  # pylint: disable=import-outside-toplevel
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
     data, fsdp = resolve_mesh_shape(config, devices)
     shapes = models.from_config(config).param_shapes().values()

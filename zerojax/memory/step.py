@@ -3,10 +3,10 @@ and `Estimate`, its per-device components and the phases they peak in."""
 
 import dataclasses
 
-from zerojax import gpu as zerojax_gpu
 from zerojax.memory.activations import activations, all_to_all_bytes
 from zerojax.memory.bus import traffic
 from zerojax.memory.spec import DEVICES_PER_NODE, DTYPE_BYTES, RunSpec, _as_setup, param_counts
+from zerojax.runtime import platform
 
 __all__ = ["DEVICES_PER_NODE", "Estimate", "estimate"]
 
@@ -178,7 +178,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
     # One layer gathered: in fp32 by XLA:CPU; by a GPU in the param dtype, two at the normal
     # step's peak (its pipelined gather), one at release's (XLA's GPU buffer assignment).
     gathered = counts.layers // L * (
-        pb * (1 if s.release else 2) if zerojax_gpu.backend() == "gpu" else 4)
+        pb * (1 if s.release else 2) if platform.backend() == "gpu" else 4)
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
     vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0
   else:

@@ -1,5 +1,11 @@
 """Models, and the one place a config's `model` section becomes a model object.
 
+The models room: `llama` (the decoder), `mlp_lm` (the small test model), their parts
+(`attention`, `rope`, `remat`, `tiled`, `chunked_loss`) and `flax_nnx` (a Flax NNX
+module on a ZeRO plan). A model implements `zerojax.layered.LayeredLoss`; this room
+imports the ZeRO core below the step (`zero`, `stage3`), `sequence` and the runtime,
+never the algorithms that run it.
+
 Every model here has the interface zerojax's train step wants: `init(rng) -> params`,
 `loss(params, batch, rng) -> scalar`, `logical_axes()`, `param_shapes()` (shapes and
 axis names without JAX work, for the memory planner), and `flops_per_token(seq_len)`

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax import gpu as zerojax_gpu
+from zerojax.runtime import platform
 
 
 def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
@@ -88,7 +88,7 @@ def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> 
   dot_product materialises the T x T scores). Other names pass through."""
   if attention != "auto":
     return attention
-  gpu = (backend or zerojax_gpu.backend()) == "gpu"
+  gpu = (backend or platform.backend()) == "gpu"
   return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
 
 
@@ -102,7 +102,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   turns into a [B, 1, T, T] bias (the whole scores' size, in the compute dtype).
   """
   # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
-  cudnn = zerojax_gpu.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  cudnn = platform.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
   mask = (None if segment_ids is None else
           (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,

@@ -9,7 +9,7 @@ params pass through `zerojax.gather` inside the scan body, so at ZeRO stage 3 on
 is gathered at a time (under remat, gathered again in the backward pass, not saved).
 
 Long context: the blocked attention recomputes each query block's scores in the backward
-pass; the loss runs `loss_chunk` positions at a time. HF names: `zerojax.models.hf`.
+pass; the loss runs `loss_chunk` positions at a time. HF names: `zerojax.hf`.
 Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
 G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
 """
@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from zerojax import sequence
+from zerojax.layered import LayeredLoss
 from zerojax.models import chunked_loss, tiled
 from zerojax.models.attention import attention_kernel, cached_attention, causal_attention
 from zerojax.models.remat import POLICIES, named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
-from zerojax.release import LayeredLoss
 from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
 
@@ -39,7 +39,7 @@ Params = Any
 ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
 
 ATTENTION = ("auto", "blocked", "dot_product")
-# The config's flat RoPE-scaling keys (zerojax/schema.py) -> `rope_scaling`'s (HF's names).
+# The config's flat RoPE-scaling keys (zerojax/config/schema.py) -> `rope_scaling`'s (HF's names).
 ROPE_SCALING = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_context": "original_max_position_embeddings"}
@@ -127,7 +127,7 @@ class LlamaConfig:
 
   @classmethod
   def from_keys(cls, model: Mapping[str, Any], **kwargs: Any) -> "LlamaConfig":
-    """The config of a `model` section (the schema's keys, zerojax/schema.py).
+    """The config of a `model` section (the schema's keys, zerojax/config/schema.py).
 
     Every key that names a field is taken by that name, so a new model key is a row in
     the schema and a field here; the RoPE-scaling keys become `rope_scaling`
@@ -361,7 +361,7 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
     config: the model.
     params: unboxed params (layer leaves may be `zerojax.Sharded` at ZeRO stage 3).
     batch: {'tokens': int32[B, T + 1]}: predicts tokens[:, 1:] from tokens[:, :-1];
-      optionally (`zerojax.sft.batch_at`) the inputs' 'segment_ids' and 'positions'
+      optionally (`zerojax.data.sft.batch_at`) the inputs' 'segment_ids' and 'positions'
       (int32[B, T]) and 'loss_mask' (float32[B, T], each target's weight).
     rng: unused (no dropout); `zerojax.make_train_step` passes one.
 
@@ -397,7 +397,7 @@ def param_shapes(config: LlamaConfig) -> ParamShapes:
 
   The one written-out copy of the model's shapes (`init_params` makes these; a test
   checks it against `jax.eval_shape`): the planner (`zerojax.memory`) counts and shards
-  them, `zerojax.models.hf` joins its tensor names to them by path. Layer leaves are
+  them, `zerojax.hf` joins its tensor names to them by path. Layer leaves are
   stacked on a leading 'layers' axis; kernels are [in, out]; no head when tied.
   """
   c = config

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax.release import LayeredLoss
+from zerojax.layered import LayeredLoss
 from zerojax.stage3 import gather
 
 Params = dict[str, Any]

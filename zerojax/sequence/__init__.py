@@ -1,5 +1,7 @@
 """Sequence parallelism: one sequence split over the ZeRO devices, attention by all-to-all.
 
+The sequence room (Ulysses sequence parallelism). It imports no other zerojax room.
+
 With `mesh.sequence_parallel`, each device of an 'fsdp' group holds a slice of every
 sequence of its examples (`T / fsdp` positions) instead of whole examples: embeddings,
 norms, the MLP and the loss run on the slice; attention switches to the whole sequence

@@ -1,6 +1,9 @@
 """Host streaming: state that lives in pinned host memory and visits the device a layer
 at a time.
 
+The streaming room: host memory as a place for state between uses. It imports the
+runtime and `zerojax.zero` only.
+
 One mechanism for every per-layer stream between host and device:
 
 - `memory`: the moves themselves (`to_host`, `to_device` of masked leaves; `on_device`

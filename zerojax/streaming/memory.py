@@ -13,7 +13,8 @@ from typing import Any
 
 import jax
 
-from zerojax import xla_dump, zero
+from zerojax import zero
+from zerojax.runtime import xla_dump
 
 PyTree = Any
 

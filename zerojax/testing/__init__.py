@@ -1,6 +1,8 @@
 """Test and benchmark tooling, apart from the training library: nothing in `zerojax`
 outside this package imports it (tests/test_imports.py checks).
 
+The test tooling room; it imports the runtime and the streaming room.
+
 `hlo`: the collectives of a step, read from its HLO text (what is communicated, in
 which dtype, how often per step); `markdown_table`: the tables the benchmarks print.
 """

@@ -21,7 +21,7 @@ import re
 import tempfile
 from typing import NamedTuple
 
-from zerojax import xla_dump
+from zerojax.runtime import xla_dump
 
 # The compiled module's host copies are the library's to read (train.py reports them);
 # re-exported here beside the collectives.

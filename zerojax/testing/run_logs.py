@@ -8,6 +8,7 @@ protobufs).
 """
 
 import glob
+import json
 import os
 import struct
 
@@ -19,7 +20,7 @@ _FULL, _FIRST, _LAST = 1, 2, 4
 def tensorboard_scalars(logdir: str, purge: bool = True) -> dict[str, list[tuple[int, float]]]:
   """{tag: [(step, value), ...]} over every event file in `logdir`: as TensorBoard shows
   them, or with `purge=False` all that the files hold (a step written twice, twice)."""
-  from tensorboard.backend.event_processing import event_accumulator  # test extra
+  from tensorboard.backend.event_processing import event_accumulator  # noqa: PLC0415  optional: the test extra
   acc = event_accumulator.EventAccumulator(
       logdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0},
       purge_orphaned_data=purge)
@@ -29,7 +30,7 @@ def tensorboard_scalars(logdir: str, purge: bool = True) -> dict[str, list[tuple
 
 def tensorboard_texts(logdir: str) -> dict[int, str]:
   """{step: text} of the `config` text summaries."""
-  from tensorboard.backend.event_processing import event_accumulator  # test extra
+  from tensorboard.backend.event_processing import event_accumulator  # noqa: PLC0415  optional: the test extra
   acc = event_accumulator.EventAccumulator(logdir, size_guidance={event_accumulator.TENSORS: 0},
                                            purge_orphaned_data=False)
   acc.Reload()
@@ -65,7 +66,7 @@ def _started(path: str) -> tuple[str, int]:
 def wandb_exit_codes(wandb_dir: str) -> list[tuple[str, int]]:
   """[(run id, exit code)] of every offline run under `wandb_dir` that finished, oldest
   first (W&B shows a nonzero code as a failed run)."""
-  from wandb.proto import wandb_internal_pb2  # the wandb extra
+  from wandb.proto import wandb_internal_pb2  # noqa: PLC0415  optional: the wandb extra
   codes = []
   for path in sorted(glob.glob(os.path.join(wandb_dir, "offline-run-*", "run-*.wandb")),
                      key=_started):
@@ -82,9 +83,7 @@ def wandb_exit_codes(wandb_dir: str) -> list[tuple[str, int]]:
 
 def wandb_history(wandb_dir: str) -> list[tuple[str, int, dict[str, float]]]:
   """[(run id, step, {key: value})] of every offline run under `wandb_dir`, oldest first."""
-  import json
-
-  from wandb.proto import wandb_internal_pb2  # the wandb extra
+  from wandb.proto import wandb_internal_pb2  # noqa: PLC0415  optional: the wandb extra
   rows = []
   for path in sorted(glob.glob(os.path.join(wandb_dir, "offline-run-*", "run-*.wandb")),
                      key=_started):

@@ -1,9 +1,9 @@
 """Starts N processes of one command on this machine, as a multi-host run would.
 
-    python -m zerojax.launch --nproc 2 --devices_per_process 4 -- python train.py
+    python -m zerojax.run.launch --nproc 2 --devices_per_process 4 -- python train.py
 
 Each process gets `JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>`, `ZEROJAX_NUM_PROCESSES`
-and `ZEROJAX_PROCESS_ID` (what `zerojax.distributed` reads); `--devices_per_process M`
+and `ZEROJAX_PROCESS_ID` (what `zerojax.run.distributed` reads); `--devices_per_process M`
 also gives each M fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=M`,
 `JAX_PLATFORMS=cpu`). Every output line is prefixed with `[rank]`. A SIGINT (Ctrl-C) or
 SIGTERM reaches every process as SIGTERM (train.py saves and stops, all at the same step);
@@ -31,8 +31,8 @@ import sys
 import threading
 import time
 
-from zerojax import exits
-from zerojax.devices import fake_devices_env
+from zerojax.runtime import exits
+from zerojax.runtime.devices import fake_devices_env
 
 
 def free_port() -> int:
@@ -170,7 +170,7 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   split = argv.index("--") if "--" in argv else len(argv)
-  parser = argparse.ArgumentParser(prog="python -m zerojax.launch",
+  parser = argparse.ArgumentParser(prog="python -m zerojax.run.launch",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--nproc", type=int, required=True, help="processes to start")
   parser.add_argument("--devices_per_process", type=int, default=0,
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--grace", type=float, default=10.0,
                       help="seconds between SIGTERM and SIGKILL when one process failed")
-  parser.usage = "python -m zerojax.launch --nproc N [--devices_per_process M] -- COMMAND ..."
+  parser.usage = "python -m zerojax.run.launch --nproc N [--devices_per_process M] -- COMMAND ..."
   args = parser.parse_args(argv[:split])  # --help prints the usage and exits 0.
   command = argv[split + 1:]
   if args.nproc < 1 or not command:

@@ -16,16 +16,17 @@ import os
 
 import ml_collections
 
-from zerojax.config_schema import (
+from zerojax.config.checks import (
   ConfigError,
   Source,
   check_tree,
   check_value,
+  flat_schema,
   flatten,
   parent_of,
-  schema,
   source_of,
 )
+from zerojax.mesh import MeshShapeError, resolve_shape
 
 
 def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
@@ -39,7 +40,6 @@ def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
     ConfigError: both sizes are -1, a -1 cannot take an even share, or the product is not
       num_devices.
   """
-  from zerojax.mesh import MeshShapeError, resolve_shape  # pylint: disable=import-outside-toplevel
   try:
     return resolve_shape((config.mesh.data, config.mesh.fsdp), num_devices,
                          names=("mesh.data", "mesh.fsdp"))
@@ -75,7 +75,7 @@ _MODEL_ONLY = {
 
 
 def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
-  m, base = config.model, schema()[0]
+  m, base = config.model, flat_schema()[0]
   for family, keys in _MODEL_ONLY.items():
     if family == m.name:
       continue
@@ -148,7 +148,7 @@ def _check_data(config: ml_collections.ConfigDict, source: Source) -> None:
                       "with answers.", key="train.eval_exact_match",
                       source=where("train.eval_exact_match"), fix="set it to 0")
   if d.name != "sft":
-    base = schema()[0]
+    base = flat_schema()[0]
     for key in ("train_on", "add_bos", "add_eos", "pack", "too_long"):
       if d[key] != base[f"data.{key}"]:
         raise ConfigError(f"is set to {d[key]!r}, but only data.name='sft' reads it.",
@@ -362,7 +362,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   """
   check_tree(config, source)
   values, _ = flatten(config)
-  for key, default in schema()[0].items():
+  for key, default in flat_schema()[0].items():
     check_value(key, values[key], default, source_of(source, key))
   if config.mesh.data == -1 and config.mesh.fsdp == -1:
     raise ConfigError("mesh.data and mesh.fsdp are both -1; at most one may take the devices left "

@@ -25,7 +25,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from zerojax import exits, peers
+from zerojax.run import peers
+from zerojax.runtime import exits
 
 FACTOR = 10.0
 MEASURED = 5

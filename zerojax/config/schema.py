@@ -1,7 +1,7 @@
 """The config schema: every key zerojax knows, once, with its default, choices, range and help.
 
 `base_config()` builds the default config from this table; config files start from it
-and change values, and `zerojax.config_schema` checks any config against it. Adding a
+and change values, and `zerojax.config.checks` checks any config against it. Adding a
 key is one row here (and the code that reads it). The type of a key is its default's.
 
     python -m zerojax.config --keys    # this table, as the user sees it
@@ -53,7 +53,7 @@ GROUPS: dict[str, str] = {
     "data": "Where tokens come from.",
     "logging": "Metrics writers beside <workdir>/metrics.jsonl (process 0 only).",
     "logging.wandb": "Weights & Biases (pip install -e \".[wandb]\"); off while project is \"\".",
-    "xla": "XLA compiler settings (python -m zerojax.xla_flags --config F prints them).",
+    "xla": "XLA compiler settings (python -m zerojax.gpu.xla_flags --config F prints them).",
 }
 
 _ROWS = (
@@ -217,7 +217,8 @@ _ROWS = (
                                           "save_attention_out")),
     # data
     Field("data.name", "stdlib", "stdlib (Python source as bytes, no download), tokens "
-          "(.bin/.npy), text (.txt/.jsonl) or sft (instruction / chat .jsonl, zerojax/sft.py).",
+          "(.bin/.npy), text (.txt/.jsonl) or sft (instruction / chat .jsonl, "
+          "zerojax/data/sft.py).",
           choices=("stdlib", "tokens", "text", "sft")),
     Field("data.path", "", "tokens: a .bin or .npy file of token ids; text: a .txt (one document) "
           "or .jsonl file; sft: a .jsonl of {prompt, completion} or {messages} lines."),
@@ -255,8 +256,8 @@ _ROWS = (
     Field("logging.wandb.mode", "auto", "auto: online when the W&B server answers and an API key "
           "is set (or as $WANDB_MODE says), else offline (wandb sync uploads later).",
           choices=("auto", "online", "offline")),
-    Field("xla.gpu_profile", True, "On a GPU: zerojax.xla_flags' performance flags (latency-hiding "
-          "scheduler, pipelined collectives, ...); a flag set in XLA_FLAGS wins."),
+    Field("xla.gpu_profile", True, "On a GPU: zerojax.gpu.xla_flags' performance flags "
+          "(latency-hiding scheduler, pipelined collectives, ...); a flag set in XLA_FLAGS wins."),
 )
 FIELDS: dict[str, Field] = {f.key: f for f in _ROWS}
 

@@ -1,7 +1,7 @@
 """Fake CPU devices: the one place that writes XLA's device-count flag.
 
 `train.py --fake_devices N`, `python -m zerojax.memory --compile`, `python -m
-zerojax.launch --devices_per_process M`, the tests and the benchmarks all get their
+zerojax.run.launch --devices_per_process M`, the tests and the benchmarks all get their
 devices from here: `fake_cpu_devices(n)` for this process, `fake_devices_env(n)` for a
 child's environment.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from zerojax import jax_internals
+from zerojax.runtime import jax_internals
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 

@@ -75,7 +75,7 @@ def tensorboard(logdir: str, config: ml_collections.ConfigDict, start: int) -> W
   `purge_step` marks the new file so TensorBoard drops what older files hold at steps
   after `start` (logged by a run killed after its last checkpoint): no step twice.
   """
-  from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  from tensorboardX import SummaryWriter  # noqa: PLC0415  optional: only a run that logs to TensorBoard
   # The file is named by the second it was opened in; the start step keeps two runs
   # opened in one second apart (else the second would overwrite the first's file).
   writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
@@ -114,7 +114,7 @@ def wandb_run(workdir: str, config: ml_collections.ConfigDict, log: Callable[[st
   Mode auto: $WANDB_MODE if set, else online when the server answers and a key is set,
   else offline (files under `<workdir>/wandb`; `wandb sync` uploads them later).
   """
-  import wandb  # pylint: disable=g-import-not-at-top
+  import wandb  # noqa: PLC0415  optional: the wandb extra
   w = config.logging.wandb
   mode = w.mode
   if mode == "auto":

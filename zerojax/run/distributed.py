@@ -5,13 +5,13 @@ coordinator address, the process count and this process's id comes from the firs
 
 1. the config: `distributed.coordinator_address`, `.num_processes`, `.process_id`;
 2. the environment: `JAX_COORDINATOR_ADDRESS` (JAX's own name), `ZEROJAX_NUM_PROCESSES`,
-   `ZEROJAX_PROCESS_ID` (what `python -m zerojax.launch` sets);
+   `ZEROJAX_PROCESS_ID` (what `python -m zerojax.run.launch` sets);
 3. the cluster, as JAX detects it: SLURM (inside `srun`), Open MPI (`mpirun`),
    Kubernetes (a JobSet / indexed Job; needs the `kubernetes` package).
 
 With none of them, or one process, nothing is initialized: a single-process run.
 
-Failures, bounded in time and explained on every process (statuses: `zerojax.exits`):
+Failures, bounded in time and explained on every process (statuses: `zerojax.runtime.exits`):
 
 - a coordinator address that cannot work: a host name that does not resolve (every
   process), or, on process 0, a port it cannot bind or an address that is not this
@@ -21,7 +21,7 @@ Failures, bounded in time and explained on every process (statuses: `zerojax.exi
   message names the address, the process count, this process and whether anything listens
   at the address; `INIT_FAILED`;
 - a process that dies later (killed, crashed): every other process prints "error: process
-  N is gone (...)" and exits with `PEER_LOST` within moments (`zerojax.peers`), even
+  N is gone (...)" and exits with `PEER_LOST` within moments (`zerojax.run.peers`), even
   one blocked in a collective. JAX's coordination service is the backstop for a host that
   vanishes without closing its connections: it aborts the others after
   `distributed.heartbeat_timeout` seconds (SIGABRT, status 134, its own message).
@@ -41,8 +41,9 @@ from typing import Any
 
 import jax
 
-from zerojax import exits, jax_internals, peers
 from zerojax.config import ConfigError
+from zerojax.run import peers
+from zerojax.runtime import exits, jax_internals
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"  # JAX reads this one itself, too.
 ENV_NUM_PROCESSES = "ZEROJAX_NUM_PROCESSES"
@@ -309,7 +310,7 @@ def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | N
 
   Call it before anything touches a device (`jax.devices()` included). On CPU the
   cross-process collectives are gloo's (JAX's default on CPU; set if unset). Once joined,
-  the peer watch runs (`zerojax.peers`); wrap the program in `peers.exit_on_lost_peer`.
+  the peer watch runs (`zerojax.run.peers`); wrap the program in `peers.exit_on_lost_peer`.
 
   Args:
     section: the config's `distributed` section.
@@ -329,7 +330,7 @@ def initialize(section: Any, *, exit_code: int = exits.INIT_FAILED) -> Setup | N
   if jax_internals.backends_started():
     raise ConfigError("JAX was used before distributed.initialize, so this process cannot join "
                       f"the {setup.num_processes}-process run.", key="distributed",
-                      source="the program", fix="call zerojax.distributed.initialize first")
+                      source="the program", fix="call zerojax.run.distributed.initialize first")
   if problem := address_problem(setup):
     src = setup.sources["coordinator_address"]
     peers.leave(f"error: distributed: {problem}.\n  fix: the coordinator address ({src}) must be "

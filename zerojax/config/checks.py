@@ -1,6 +1,6 @@
-"""Checks a config against the schema (`zerojax.schema`), key by key, for a person.
+"""Checks a config against the schema (`zerojax.config.schema`), key by key, for a person.
 
-`zerojax.schema` defines every key, its default, choices and range; this module checks a
+`zerojax.config.schema` defines every key, its default, choices and range; this module checks a
 config tree against it key by key: unknown keys (with the nearest valid ones and a table
 of DeepSpeed / PyTorch names), missing keys, types, enums and ranges. Combinations of
 values (mesh vs devices, batch vs mesh, dtype pairs) are checked in `zerojax.config`.
@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from zerojax.schema import DTYPES, FIELDS, base_config
+from zerojax.config.schema import DTYPES, FIELDS, base_config
 
 _FLOAT16 = ("float16 sums of many gradients overflow (max 65504)",
             "use float32 (the default) or bfloat16 for reductions and accumulation")
@@ -94,7 +94,7 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], 
 
 
 @functools.lru_cache(maxsize=None)
-def schema() -> tuple[dict[str, Any], set[str]]:
+def flat_schema() -> tuple[dict[str, Any], set[str]]:
   return flatten(base_config())
 
 
@@ -105,7 +105,7 @@ def parent_of(config: ml_collections.ConfigDict, key: str) -> tuple[ml_collectio
 
 
 def group_error(key: str, source: str) -> ConfigError:
-  members = ", ".join(k for k in schema()[0] if k.startswith(key + "."))
+  members = ", ".join(k for k in flat_schema()[0] if k.startswith(key + "."))
   return ConfigError("is a group of settings, not a value.", key=key, source=source,
                      fix=f"set one of {members}")
 
@@ -152,10 +152,10 @@ def deepspeed_keys(tree: Mapping[str, Any]) -> str:
 
 
 def unknown_key(key: str, source: str) -> ConfigError:
-  leaves, _ = schema()
+  leaves, _ = flat_schema()
   hint = alias(key)
   near = closest(key, list(leaves))
-  problem = "no such key in the schema (zerojax/schema.py)."
+  problem = "no such key in the schema (zerojax/config/schema.py)."
   if hint:
     return ConfigError(problem, key=key, source=source, fix=hint)
   if near:
@@ -168,7 +168,7 @@ def unknown_key(key: str, source: str) -> ConfigError:
 def check_tree(config: ml_collections.ConfigDict, source: Source) -> None:
   """Unknown keys (at any depth), keys that replaced a group with a value, and deleted keys."""
   leaves, groups = flatten(config)
-  schema_leaves, schema_groups = schema()
+  schema_leaves, schema_groups = flat_schema()
   for key in groups:
     if key in schema_leaves:
       raise ConfigError("is a single value in the schema, but was set to a group of keys.", key=key,

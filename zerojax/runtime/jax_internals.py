@@ -24,7 +24,7 @@ Each internal, what it is used for, and what happens without it:
 
 Behaviour (not modules) a version change could alter, each tested: `jax.device_put` to a
 memory space inside `jit` (offload), `jax.nn.dot_product_attention(implementation=)`
-(cuDNN), `jax.shard_map(check_vma=)`, XLA's flag names (`zerojax.xla_flags` asks the
+(cuDNN), `jax.shard_map(check_vma=)`, XLA's flag names (`zerojax.gpu.xla_flags` asks the
 installed XLA which forms it knows).
 """
 
@@ -46,7 +46,7 @@ def distributed_client():
   except (ImportError, AttributeError) as err:
     import jax  # noqa: PLC0415
     raise RuntimeError(f"jax {jax.__version__} keeps jax.distributed's key-value store where "
-                       "zerojax does not look (zerojax/jax_internals.py)") from err
+                       "zerojax does not look (zerojax/runtime/jax_internals.py)") from err
 
 
 def cluster_types() -> list:

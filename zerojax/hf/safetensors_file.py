@@ -37,7 +37,7 @@ Tensors = list[tuple[str, tuple, Callable[[], np.ndarray]]]
 class HFError(ValueError):
   """A Hugging Face folder or file that cannot be imported: names the file and the fix.
 
-  Raised here and by `zerojax.models.hf` (which re-exports it as `hf.HFError`).
+  Raised here and by `zerojax.hf` (which re-exports it as `hf.HFError`).
   """
 
   def __init__(self, problem: str, *, path: str | None = None, fix: str | None = None):

@@ -1,8 +1,13 @@
 """Hugging Face Llama checkpoints <-> zerojax params, streamed tensor by tensor.
 
+The Hugging Face room: import and export of parameters here, `safetensors_file`
+(headers, index, the streaming writer) and `export` (`zerojax-export`: a train.py
+checkpoint to a folder transformers loads). It sits above the models, the checkpoints
+and `zerojax.build`.
+
     params = hf.load_params("Meta-Llama-3.1-8B", plan)     # straight onto the mesh
     hf.save_params(state.params, model.config, "out/")     # config.json + safetensors
-    python -m zerojax.export --workdir runs/x --out hf_model/   # a train.py checkpoint
+    python -m zerojax.hf.export --workdir runs/x --out hf_model/   # a train.py checkpoint
 
 Import: `config.json` gives the model shape (`config_overrides`, `llama_config`); the
 tensors come from `model.safetensors` or the files of `model.safetensors.index.json`.
@@ -18,7 +23,7 @@ safetensors file whose header was written first, so host memory is one HF tensor
 Files over `max_shard_size` are split as `save_pretrained` does (`model-0000i-of-0000N`
 plus an index). `_HF_NAMES` below is the table that follows as code, joined by leaf
 path to the model's own shapes (`llama.param_shapes`). The files themselves (headers,
-index, the streaming writer) are `zerojax.models.safetensors_file`'s.
+index, the streaming writer) are `zerojax.hf.safetensors_file`'s.
 
 Parameters and the Hugging Face Llama tensor each one is (i = layer index). HF's
 `nn.Linear.weight` is (out, in) and ours (in, out), so kernels are transposed; layer
@@ -45,8 +50,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 
+from zerojax.hf.safetensors_file import INDEX, HFError, tensor_index, write_folder
 from zerojax.models.llama import ROPE_SCALING, LlamaConfig, param_shapes
-from zerojax.models.safetensors_file import INDEX, HFError, tensor_index, write_folder
+from zerojax.zero import ZeroPlan
 
 PyTree = Any
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default, "5GB".
@@ -68,7 +74,8 @@ _HF_NAMES = dict((path, (name, transposed)) for path, name, transposed in (
     (("norm", "scale"), "model.norm.weight", False),
     (("lm_head", "kernel"), "lm_head.weight", True),
 ))
-# The zerojax `model.*` keys an HF config determines, in the schema's names (zerojax/schema.py).
+# The zerojax `model.*` keys an HF config determines, in the schema's names
+# (zerojax/config/schema.py).
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
               "rope_original_context", "norm_eps", "tie_embeddings")
@@ -304,7 +311,6 @@ def load_params(folder: str, target: Any) -> PyTree:
     HFError: naming the file, for any problem in the folder (see `read_config`,
       `tensor_index`), and when the target does not have config.json's shapes.
   """
-  from zerojax.zero import ZeroPlan  # pylint: disable=import-outside-toplevel
   if isinstance(target, ZeroPlan):
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           target.params, target.param_shardings)
@@ -425,5 +431,5 @@ def save_params(params: PyTree, config: LlamaConfig, folder: str, *, dtype: Any 
       json.dump(hf_config(config, out_dtype, max_position_embeddings), f, indent=2)
   names = write_folder(folder, [tensor(*o) for o in order], out_dtype, max_shard_size, write)
   if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("zerojax.models.hf.save_params")  # Files complete.
+    multihost_utils.sync_global_devices("zerojax.hf.save_params")  # Files complete.
   return names

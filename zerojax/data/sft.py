@@ -5,7 +5,7 @@ Each line of a `.jsonl` file is one example, either
 - `{"prompt": ..., "completion": ...}`: [BOS] prompt completion [EOS] (`data.add_bos`,
   `data.add_eos`), prompt and completion tokenized apart so the boundary is exact; or
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the model's chat
-  template (`zerojax.chat`: the `tokenizer_config.json` beside `data.tokenizer`, else Llama
+  template (`zerojax.data.chat`: the `tokenizer_config.json` beside `data.tokenizer`, else Llama
   3's), which writes its own special tokens.
 
 The loss is on the completion / the assistant turns only (their end-of-turn token
@@ -113,7 +113,7 @@ def _prompt_completion(record: dict, tokenizer: Any, bos: int | None, eos: int |
 
 
 def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int], list[bool]]:
-  from zerojax import chat  # Imports jinja2 (the `text` extra): only for chat data.
+  from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
   messages = record["messages"]
   if not isinstance(messages, list) or not all(
       isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -142,7 +142,7 @@ def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int
 def _template(tokenizer_path: str) -> Any:
   """`chat.load_template`, its problems as DataErrors (jinja2 missing, a bad template)."""
   try:
-    from zerojax import chat  # pylint: disable=import-outside-toplevel
+    from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
   except ImportError:
     raise DataError("chat data needs the `jinja2` package, which is not installed",
                     path=tokenizer_path, key="data.tokenizer",

@@ -1,5 +1,9 @@
 """Token data: three sources, checked before training, and resumable random batches.
 
+The data room: the token sources here, `sft` (instruction and chat data, masks,
+packing), `chat` (chat templates; jinja2, the `text` extra) and `sft_demo` (the embedded
+SFT default). It imports no other zerojax room.
+
 `load_tokens(config.data, vocab_size, seq_len)` gives (train, eval) flat token arrays:
 
 - `stdlib` (default): the bytes of Python's own `.py` sources; no download, vocabulary 256.
@@ -224,7 +228,7 @@ def load_tokenizer(path: str, vocab_size: int) -> Any:
       more ids than `vocab_size`.
   """
   try:
-    from tokenizers import Tokenizer  # An optional extra: only the text source needs it.
+    from tokenizers import Tokenizer  # noqa: PLC0415  optional: the text extra
   except ImportError:
     raise DataError("data.name='text' needs the `tokenizers` package, which is not installed",
                     path=path, key="data.tokenizer", fix="pip install 'zerojax[text]'") from None

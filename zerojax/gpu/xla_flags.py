@@ -12,7 +12,7 @@ A flag the user already put in `XLA_FLAGS` (any value, any of its forms) wins ov
 profile, and so does `XLA_PYTHON_CLIENT_MEM_FRACTION`; `xla.gpu_profile=False` turns the
 profile off. What the profile chose is printed in the run's log.
 
-    python -m zerojax.xla_flags --config configs/8b_bf16.py   # the profile and why
+    python -m zerojax.gpu.xla_flags --config configs/8b_bf16.py   # the profile and why
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ import subprocess
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import NamedTuple
+
+from zerojax import models
+from zerojax.config import load_config
 
 # XLA's allocator takes 75% of a GPU by default; the rest sits unused by a training
 # step (the 8B step needs ~100 GB of an H200's 141). cuDNN and NCCL's own buffers live
@@ -50,8 +53,6 @@ def flag_name(flag: str) -> str:
 def layer_bytes(config) -> int:
   """Bytes of one layer's parameters in float32 (the widest dtype the step reduces them
   in): the leaves stacked under 'layers'; 0 for a model without a layer stack."""
-  from zerojax import models  # noqa: PLC0415 (keeps `import zerojax.xla_flags` light)
-
   shapes = models.from_config(config).param_shapes()
   return 4 * sum(math.prod(shape[1:]) for path, (shape, _) in shapes.items()
                  if path[0] == "layers")
@@ -189,15 +190,13 @@ def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,
   environ["XLA_FLAGS"] = " ".join([*user.split(), *chosen])
   lines.append("  XLA_PYTHON_CLIENT_MEM_FRACTION="
                + environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION))
-  return ["xla: the GPU profile (zerojax.xla_flags; xla.gpu_profile=False turns it off):",
+  return ["xla: the GPU profile (zerojax.gpu.xla_flags; xla.gpu_profile=False turns it off):",
           *lines]
 
 
 def main(argv: list[str] | None = None) -> int:
   """Prints the profile for a config, resolved against the installed XLA."""
-  from zerojax.config import load_config  # noqa: PLC0415
-
-  parser = argparse.ArgumentParser(prog="python -m zerojax.xla_flags", description=__doc__
+  parser = argparse.ArgumentParser(prog="python -m zerojax.gpu.xla_flags", description=__doc__
                                    .split("\n")[0])
   parser.add_argument("--config", required=True, help="a config file (configs/*.py)")
   args = parser.parse_args(argv)

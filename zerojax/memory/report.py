@@ -23,6 +23,7 @@ Exit status: 0 fits (or no device memory known), 1 does not fit (device or host 
 2 bad config. With --target --compile the compiled bytes decide the device's verdict.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +31,18 @@ import shutil
 import sys
 import tempfile
 
+import jax
+
+from zerojax import build, models
+from zerojax.config import (
+  ArgumentParser,
+  ConfigError,
+  exit_on_config_error,
+  load_config,
+  parse_argv,
+)
+from zerojax.generate import cache, decode
+from zerojax.gpu import compile as gpu_compile, host_link as links, targets
 from zerojax.memory import (
   DEVICES_PER_NODE,
   DTYPE_BYTES,
@@ -37,13 +50,16 @@ from zerojax.memory import (
   RunSpec,
   Suggestion,
   attribute,
+  bus,
   estimate,
   longest_sequence,
   sequence_unit,
   suggestions,
 )
-from zerojax.memory_host_report import host_lines, host_link
-from zerojax.units import fmt_bytes, parse_bytes
+from zerojax.run import metrics
+from zerojax.runtime import platform, xla_dump
+from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
+from zerojax.runtime.units import fmt_bytes, parse_bytes
 
 
 def _count(n: int) -> str:
@@ -57,10 +73,37 @@ def _gb(n: float) -> str:  # Decimal units, as the hand arithmetic counts.
 def _cpu_without_memory_flags() -> bool:
   """Compiled by XLA:CPU without `devices.CPU_MEMORY_FLAGS` (its default scheduler keeps
   more alive than the planner, calibrated with them, expects)."""
-  from zerojax.devices import CPU_MEMORY_FLAGS  # pylint: disable=import-outside-toplevel
-  jax = sys.modules.get("jax")
-  return (jax is not None and jax.default_backend() == "cpu"
+  return (jax.default_backend() == "cpu"
           and not all(f in os.environ.get("XLA_FLAGS", "") for f in CPU_MEMORY_FLAGS))
+
+
+def host_lines(e: Estimate, link=None) -> list[str]:
+  """Param offload without release's caveat, the host memory's verdict, the bus line
+  (`link`: a `bus.Bus`)."""
+  s, out = e.setup, []
+  if s.param_offload and not s.release:
+    out.append("param offload without gradient release: the step brings the whole param "
+               "shard to the device (no device bytes saved; host memory between steps): pair "
+               "it with --config.optimizer.release=True")
+  if e.host_memory and e.host:
+    over = e.host_per_node - e.host_memory
+    out.append(f"host memory: {fmt_bytes(e.host_per_node)} per node of {s.per_node} "
+               f"device(s) {'fits in' if over <= 0 else 'does NOT fit in'} "
+               f"{fmt_bytes(e.host_memory)} (--host-memory): "
+               f"{'headroom' if over <= 0 else 'short by'} {fmt_bytes(abs(over))}"
+               + ("" if over <= 0 else "; offload less (the changes below), or spread the "
+                  "run over more nodes / devices (smaller shards, fewer devices a node)"))
+  if link is not None and link.line():
+    out.append(link.line())
+  return out
+
+
+def host_link(e: Estimate, spec, bandwidth: float, peak: float, mfu: float) -> bus.Bus:
+  """The bus terms of `e` over the target's host link (or `bandwidth`), at the target's
+  peak bf16 FLOP/s (`metrics.PEAK_FLOPS`; or the config's train.peak_flops) x `mfu`."""
+  if spec:  # A Target has the device_kind peak_flops reads of a device.
+    peak = metrics.peak_flops(spec.target, peak)
+  return bus.bus(e.setup, e.host, spec and links.of(spec.target.name), bandwidth, peak, mfu)
 
 
 def _labels(s: RunSpec) -> dict:
@@ -232,12 +275,10 @@ def to_dict(e: Estimate) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
   """The CLI; exit status 0: fits (or no --device-memory), 1: does not fit, 2: bad config."""
-  from zerojax.config import exit_on_config_error  # pylint: disable=import-outside-toplevel
   return exit_on_config_error(_main)(sys.argv[1:] if argv is None else argv)
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import ArgumentParser, ConfigError, load_config, parse_argv  # pylint: disable=import-outside-toplevel
   path, overrides, rest = parse_argv(argv, default="")  # So that --help works without one.
   p = ArgumentParser(prog="python -m zerojax.memory", description=__doc__.split("\n")[0])
   p.add_argument("--devices", type=int, default=0,
@@ -245,7 +286,7 @@ def _main(argv: list[str]) -> int:
   p.add_argument("--device-memory", "--device_memory", default="",
                  help="memory per device, e.g. 80GiB or 141GB; gives a verdict and suggestions")
   p.add_argument("--target", default="", help="a GPU target, e.g. h100, h100:8, h100:2x8 "
-                 "(python -m zerojax.gpu.fit --list): its memory gives the verdict; with "
+                 "(python -m zerojax.memory.fit --list): its memory gives the verdict; with "
                  "--compile, XLA's GPU compiler compiles the step for it")
   p.add_argument("--compile", action="store_true", help="also compile the step (for --target "
                  "with XLA's GPU compiler; else on as many fake CPU devices with XLA:CPU's "
@@ -277,7 +318,6 @@ def _main(argv: list[str]) -> int:
     p.error(f"--mfu {args.mfu:g}: a fraction in (0, 1]")
   spec = None
   if args.target:
-    from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
     spec = targets.parse(args.target, args.devices)
     args.devices = spec.devices
     targets.without_driver()
@@ -285,8 +325,6 @@ def _main(argv: list[str]) -> int:
     raise ConfigError("no device count given.", source="the command line",
                       fix="pass --devices N, or --target NAME:N (e.g. --target h100:8)")
   if args.compile:  # XLA reads its flags when JAX starts its backend: before any device work.
-    from zerojax.devices import fake_cpu_devices  # pylint: disable=import-outside-toplevel
-    from zerojax.gpu import compile as gpu_compile  # pylint: disable=import-outside-toplevel
     gpu_compile.prepare(args.devices) if spec else fake_cpu_devices(args.devices)
   config = load_config(path, overrides, num_devices=args.devices)
   where = None
@@ -360,9 +398,6 @@ def generation_cache(config, devices: int, flag: str, error) -> dict | None:
   """The KV cache of `zerojax.generate` per device for `--generate BATCHxLEN` (or the eval's
   exact match: 64 prompts, a training row's length), rounded as the decoder rounds its
   batch and length; None for no generation, or a model without a cache."""
-  # pylint: disable=import-outside-toplevel
-  from zerojax import models
-  from zerojax.generate import cache, decode
   model = models.from_config(config)
   if flag:
     batch, _, length = flag.lower().partition("x")
@@ -382,16 +417,13 @@ def generation_cache(config, devices: int, flag: str, error) -> dict | None:
 
 def for_target(spec):
   """The context a planner estimate for `spec` (None: this machine) runs in."""
-  import contextlib  # pylint: disable=import-outside-toplevel
 
-  from zerojax import gpu  # pylint: disable=import-outside-toplevel
-  return gpu.targeting() if spec else contextlib.nullcontext()
+  return platform.targeting() if spec else contextlib.nullcontext()
 
 
 def target_budget(config, target) -> tuple[int, float]:
   """(bytes a device of `target` has for the step when train.py runs `config`, the
   allocator's memory fraction)."""
-  from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
   fraction = targets.memory_fraction(config)
   return targets.budget(target, fraction), fraction
 
@@ -400,12 +432,10 @@ def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
   """The step compiled (for `spec`'s GPU with XLA's GPU compiler, else by XLA:CPU on this
   process's devices) and its temporaries at the peak attributed to the planner's
   components (read from the buffer assignment XLA dumps)."""
-  from zerojax import build, xla_dump  # pylint: disable=import-outside-toplevel
   dump = tempfile.mkdtemp(prefix="zerojax_memory_")
   try:
     built = build.build(config)
     if spec:
-      from zerojax.gpu import compile as gpu_compile  # pylint: disable=import-outside-toplevel
       compiled = gpu_compile.compile_step(built, config, spec, dump_to=dump).memory
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
@@ -417,7 +447,6 @@ def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
 def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
                           compiled: dict | None) -> str:
   """Where the verdict's bytes come from on a GPU target, and (compiled) the verdict."""
-  from zerojax.gpu import targets  # pylint: disable=import-outside-toplevel
   t = spec.target
   pool, fraction = where
   lines = [f"target {spec}: {spec.devices} x {t.device_kind}, {fmt_bytes(t.memory)} each; "

@@ -22,7 +22,7 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 def byte_tokenizer():
   """A byte-level tokenizer: 256 byte ids, then `SPECIAL_TOKENS` as special added tokens."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # The `text` extra.
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415  optional: the text extra
   alphabet = pre_tokenizers.ByteLevel.alphabet()
   # GPT-2's table maps bytes to printable characters; ids follow the bytes' order.
   table = _byte_chars()

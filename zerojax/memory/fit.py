@@ -1,9 +1,9 @@
 """Which GPUs can run a config: the cheapest recipe that fits, per GPU target and count.
 
-    python -m zerojax.gpu.fit --config configs/70b_bf16.py                # the planner
-    python -m zerojax.gpu.fit --config configs/70b_bf16.py --compile      # + XLA's GPU compiler
-    python -m zerojax.gpu.fit --config C --targets h100,a100_40gb --devices 8,16 [--json]
-    python -m zerojax.gpu.fit --list                                      # the targets
+    python -m zerojax.memory.fit --config configs/70b_bf16.py                # the planner
+    python -m zerojax.memory.fit --config configs/70b_bf16.py --compile      # + XLA's GPU compiler
+    python -m zerojax.memory.fit --config C --targets h100,a100_40gb --devices 8,16 [--json]
+    python -m zerojax.memory.fit --list                                      # the targets
 
 For each target and device count the planner judges the config as it is against the
 memory XLA's allocator has on that GPU (`targets.budget`); if it does not fit, its ranked
@@ -20,9 +20,20 @@ import json
 import sys
 from typing import NamedTuple
 
-from zerojax.config_schema import ConfigError
-from zerojax.gpu import targets
-from zerojax.units import fmt_bytes
+import jax
+
+from zerojax import build, memory
+from zerojax.config import (
+  ArgumentParser,
+  ConfigError,
+  exit_on_config_error,
+  load_config,
+  parse_argv,
+)
+from zerojax.gpu import compile as gpu_compile, targets
+from zerojax.memory import report
+from zerojax.runtime import platform
+from zerojax.runtime.units import fmt_bytes
 
 COUNTS = (1, 2, 4, 8, 16, 64)
 
@@ -48,11 +59,9 @@ def spec_for(target: targets.Target, devices: int) -> targets.TargetSpec:
 def candidates(path: str, overrides: list[str], devices: int, budget: int):
   """(change, overrides, estimate) to try, cheapest first: the config as it is if the
   planner says it fits, else each of its suggestions that keeps the device count."""
-  from zerojax import gpu, memory  # noqa: PLC0415
-  from zerojax.config import load_config  # noqa: PLC0415
 
   config = load_config(path, overrides, num_devices=devices)
-  with gpu.targeting():
+  with platform.targeting():
     e = memory.estimate(config, devices, budget)
     if e.fits:
       return [("as configured", (), e)]
@@ -62,7 +71,6 @@ def candidates(path: str, overrides: list[str], devices: int, budget: int):
 
 
 def batch_overrides(path: str, overrides: list[str], devices: int) -> list[str]:
-  from zerojax.config import load_config  # noqa: PLC0415
 
   batch = load_config(path, overrides).train.global_batch_size
   return [] if batch % devices == 0 else [f"train.global_batch_size={devices}"]
@@ -71,22 +79,16 @@ def batch_overrides(path: str, overrides: list[str], devices: int) -> list[str]:
 def fit(path: str, overrides: list[str], target: targets.Target, devices: int,
         compile_: bool = False) -> Fit:
   """The cheapest recipe for `config` on `devices` x `target` (see the module's doc)."""
-  from zerojax import gpu, memory_report  # noqa: PLC0415
-  from zerojax.config import load_config  # noqa: PLC0415
 
   base = [*overrides, *batch_overrides(path, overrides, devices)]
-  budget, _ = memory_report.target_budget(load_config(path, base), target)
+  budget, _ = report.target_budget(load_config(path, base), target)
   skipped = 0
   for change, more, e in candidates(path, base, devices, budget):
     compiled = host = None
     if compile_:
-      import jax  # noqa: PLC0415
-
-      from zerojax import build  # noqa: PLC0415
-      from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
       config = load_config(path, [*base, *more],
                            num_devices=devices)
-      with gpu.targeting():
+      with platform.targeting():
         built = build.build(config, jax.devices()[:devices])
       out = gpu_compile.compile_step(built, config, spec_for(target, devices)).memory
       compiled, host = out["arguments"] + out["temporaries"], out["host_arguments"]
@@ -119,16 +121,14 @@ def format_rows(rows: list[Fit], path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from zerojax.config import exit_on_config_error  # noqa: PLC0415
 
   return exit_on_config_error(_main)(sys.argv[1:] if argv is None else argv)
 
 
 def _main(argv: list[str]) -> int:
-  from zerojax.config import ArgumentParser, parse_argv  # noqa: PLC0415
 
   path, overrides, rest = parse_argv(argv, default="")
-  p = ArgumentParser(prog="python -m zerojax.gpu.fit", description=__doc__.split("\n")[0])
+  p = ArgumentParser(prog="python -m zerojax.memory.fit", description=__doc__.split("\n")[0])
   p.add_argument("--targets", default=",".join(targets.names()), help="comma list of targets")
   p.add_argument("--devices", default=",".join(map(str, COUNTS)), help="comma list of counts")
   p.add_argument("--compile", action="store_true", help="check each recipe with XLA's GPU "
@@ -154,7 +154,6 @@ def _main(argv: list[str]) -> int:
   chosen = [targets.load(t) for t in args.targets.split(",")]
   targets.without_driver()
   if args.compile:
-    from zerojax.gpu import compile as gpu_compile  # noqa: PLC0415
     gpu_compile.prepare(max(counts))
   rows = [fit(path, overrides, t, n, args.compile) for t in chosen for n in counts]
   if args.json:

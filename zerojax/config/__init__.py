@@ -1,7 +1,12 @@
-"""Loading, overriding and strictly validating zerojax configs (the rules: `zerojax.validate`).
+"""Configs: the schema, key-by-key checks, the rules between keys, and loading.
+
+The config room: `schema` (every key: default, type, choices, range, one line of help),
+`checks` (a config against the schema key by key; `ConfigError`), `rules` (the rules
+between keys and the mesh arithmetic), and here the loading (files, overrides, the
+command line). It imports the runtime and `zerojax.mesh` only.
 
 A config is a Python file whose `get_config()` starts from the schema's defaults
-(`base_config()`, from `zerojax.schema`) and changes values. Command-line
+(`base_config()`, from `zerojax.config.schema`) and changes values. Command-line
 overrides use ml_collections' `--config.a.b=value` syntax. Every mistake becomes
 one `ConfigError` that names the key, where the value came from and the fix,
 before any device work starts.
@@ -27,20 +32,20 @@ from typing import Any
 
 import ml_collections
 
-from zerojax import exits
-from zerojax.config_schema import (
+from zerojax.config.checks import (
   ConfigError,
   check_tree,
   closest,
   deepspeed_keys,
+  flat_schema,
   group_error,
   parent_of,
-  schema,
   type_name,
   unknown_key,
 )
-from zerojax.schema import base_config, describe
-from zerojax.validate import resolve_mesh_shape, validate
+from zerojax.config.rules import resolve_mesh_shape, validate
+from zerojax.config.schema import base_config, describe
+from zerojax.runtime import exits
 
 __all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "load_config", "parse_argv",
            "validate", "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
@@ -77,7 +82,7 @@ def apply_override(config: ml_collections.ConfigDict, override: str,
   if not sep or not key:
     raise ConfigError(f"override {override!r} is not of the form key=value.", key=key or None,
                       fix="write it as --config.zero.stage=2")
-  leaves, groups = schema()
+  leaves, groups = flat_schema()
   if key in groups:
     raise group_error(key, source)
   if key not in leaves:
@@ -215,7 +220,7 @@ def load_config(path: str, overrides: Sequence[str] = (), *,
   """
   config, file_source = _run_file(path)
   check_tree(config, file_source)
-  schema_leaves, _ = schema()
+  schema_leaves, _ = flat_schema()
   # A replaced group may hold ints in float fields; unify.
   for key, default in schema_leaves.items():
     parent, name = parent_of(config, key)
@@ -312,7 +317,7 @@ class ArgumentParser(argparse.ArgumentParser):
       # --cofig.zero.stage=2 is a --config.zero.stage=2 with a typo in its prefix.
       head = name.partition(".")[0]
       near = difflib.get_close_matches(head, options, n=1, cutoff=0.6)
-      keys = closest(name.lstrip("-"), list(schema()[0]))  # --steps: --config.train.steps.
+      keys = closest(name.lstrip("-"), list(flat_schema()[0]))  # --steps: --config.train.steps.
       fix = (f"did you mean {near[0]}{arg[len(head):]}?" if near else
              f"did you mean --config.{keys[0]}{arg[len(name):]}?" if keys else
              f"see {self.prog} --help; config values are set with --config.a.b=value")
@@ -364,7 +369,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = resolve_mesh_shape(config, args.num_devices)
     print(f"# mesh (data, fsdp) on {args.num_devices} devices: {shape}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,12 +1,16 @@
 """Optimizers for low-precision parameters, as optax transforms.
 
+The optimizer room: the optimizers here, `update_rules` (how an fp32 update reaches a
+bf16 parameter) and `precision` (loss scaling and skipped steps). It imports no other
+zerojax room.
+
 Two independent choices make a recipe:
 
 * **state dtype**: every moment (Adam's `mu` *and* `nu`, Lion's and SGD's momentum) is
   stored in `state_dtype` (fp32 or bf16) and computed in fp32. optax keeps Adam's `nu`
   in the parameter dtype whatever `mu_dtype` says, so these are zerojax's own.
 * **update rule**: how the fp32 update reaches a bf16 parameter: nearest, kahan,
-  stochastic or master (`zerojax.update_rules`).
+  stochastic or master (`zerojax.optim.update_rules`).
 
 Gradient clipping is deliberately not in these chains: the train step clips by the
 fp32 global norm of the reduced gradients itself (`make_train_step(max_grad_norm=)`).
@@ -39,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.update_rules import f32 as _f32, with_update_rule
+from zerojax.optim.update_rules import f32 as _f32, with_update_rule
 
 PyTree = Any
 
@@ -253,7 +257,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
     b1, b2, eps: Adam's hyper-parameters (`scale_by_adam`).
     weight_decay: decoupled weight decay, multiplied by the learning rate.
     state_dtype: dtype of both moments (float32 or bfloat16).
-    update_rule: one of `zerojax.update_rules.UPDATE_RULES`.
+    update_rule: one of `zerojax.optim.update_rules.UPDATE_RULES`.
     mask: which params decay (a pytree of bools or a function of the params).
     seed: stochastic-rounding seed.
   """

@@ -1,10 +1,10 @@
 """A train.py checkpoint -> a Hugging Face Llama folder.
 
-    python -m zerojax.export --workdir runs/x --out hf_model/ [--step N] [--dtype bfloat16]
+    python -m zerojax.hf.export --workdir runs/x --out hf_model/ [--step N] [--dtype bfloat16]
 
 The checkpoint's own config is built as train.py builds it (`zerojax.build`), at stage
 3 over every device here (checkpoints restore onto any plan), so each device holds
-1/N of the state; then `zerojax.models.hf.save_params` streams the params out one HF
+1/N of the state; then `zerojax.hf.save_params` streams the params out one HF
 tensor at a time. A run with a tokenizer (`data.tokenizer`) also gets its tokenizer
 files, generation_config.json and bos/eos ids in config.json (`export_tokenizer`). Exit
 status 0, or 2 (`exits.BAD_INPUT`) with one `error: ...` line for a workdir without a
@@ -12,13 +12,20 @@ usable checkpoint or a model that is not a Llama.
 """
 
 import argparse
+import json
 import os
+import shutil
 import sys
 from typing import Any
 
-from zerojax import exits
-from zerojax.models.safetensors_file import HFError
-from zerojax.units import parse_bytes
+import jax
+
+from zerojax import build, checkpoint, data, hf
+from zerojax.checkpoint import layout
+from zerojax.data import sft
+from zerojax.hf.safetensors_file import HFError
+from zerojax.runtime import exits
+from zerojax.runtime.units import parse_bytes
 
 
 def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
@@ -33,9 +40,6 @@ def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
     HFError: no checkpoint, or not a Llama.
     zerojax.checkpoint.CheckpointError: a damaged checkpoint.
   """
-  # pylint: disable=import-outside-toplevel
-  from zerojax import build, checkpoint
-  from zerojax.checkpoint import layout
   directory = os.path.join(workdir, "checkpoints")
   if not os.path.isdir(directory):
     raise HFError("no checkpoints directory: nothing to read", path=directory,
@@ -77,9 +81,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
     HFError: no checkpoint, or not a Llama.
     zerojax.checkpoint.CheckpointError: a damaged checkpoint.
   """
-  import jax  # pylint: disable=import-outside-toplevel
 
-  from zerojax.models import hf  # pylint: disable=import-outside-toplevel
   config, built, state, _ = restore(workdir, step)
   names = hf.save_params(state.params, built.model.config, out, **kwargs)
   if config.data.tokenizer and jax.process_index() == 0:
@@ -99,11 +101,6 @@ def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
   Returns:
     The file names written.
   """
-  # pylint: disable=import-outside-toplevel
-  import json
-  import shutil
-
-  from zerojax import data, sft
   tokenizer = data.load_tokenizer(d.tokenizer, vocab_size)
   side = os.path.join(os.path.dirname(d.tokenizer), "tokenizer_config.json")
   shutil.copyfile(d.tokenizer, os.path.join(out, "tokenizer.json"))
@@ -119,7 +116,7 @@ def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
       end = data.token_text(json.load(f).get("eos_token"))
     ends.append(tokenizer.token_to_id(end) if end else None)
   else:
-    from zerojax import chat
+    from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
     text = lambda i: None if i is None else tokenizer.id_to_token(i)
     side_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": text(bos),
                    "eos_token": text(eos), "clean_up_tokenization_spaces": False}
@@ -141,8 +138,7 @@ def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
   """The CLI (see the module docstring); returns the exit status."""
-  from zerojax import checkpoint  # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(prog="python -m zerojax.export",
+  parser = argparse.ArgumentParser(prog="python -m zerojax.hf.export",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", required=True, help="train.py's --workdir")
   parser.add_argument("--out", required=True, help="the folder to write")

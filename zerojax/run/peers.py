@@ -24,7 +24,7 @@ Why not JAX's coordination service: it only counts missing heartbeats
 `missed_heartbeat_callback` fails with `std::bad_cast` in jaxlib 0.10.2). It stays the
 backstop for a host that vanishes without closing its connections.
 
-`zerojax.distributed.initialize` starts the watch once the processes have joined; the
+`zerojax.run.distributed.initialize` starts the watch once the processes have joined; the
 program wraps its body in `exit_on_lost_peer()`.
 """
 
@@ -43,7 +43,7 @@ import time
 
 import jax
 
-from zerojax import exits, jax_internals
+from zerojax.runtime import exits, jax_internals
 
 
 def leave(message: str, status: int) -> None:
@@ -63,7 +63,7 @@ def leave(message: str, status: int) -> None:
 # The wire format, one line each: from process 0 on accepting, "zerojax-peer-watch
 # <nonce>"; the peer's hello, "<id> <proof>" (`_proof`); "bye" when a process leaves
 # deliberately; from process 0, "lost <id> <cause>"; "hung <what>" from a process whose
-# watchdog fired (`zerojax.watchdog`), passed on by process 0.
+# watchdog fired (`zerojax.run.watchdog`), passed on by process 0.
 _WATCH_KEY = "zerojax/peer_watch_port"
 _SECRET_KEY = "zerojax/peer_watch_secret"
 _GREETING = b"zerojax-peer-watch"
