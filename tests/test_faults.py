@@ -176,7 +176,7 @@ def test_a_second_run_in_a_workdir_is_refused_and_sigterm_exits_75(trained, tmp_
 def test_a_lock_whose_holder_died_is_taken_over(tmp_path):
   """The OS releases a flock when its process dies, kill -9 included."""
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import sys, time; from zerojax import workdir\n"
+      [sys.executable, "-c", "import sys, time; from zerojax.run import workdir\n"
        "with workdir.lock(sys.argv[1]):\n  print('held', flush=True); time.sleep(600)",
        str(tmp_path)], cwd=REPO, env=train_env(), stdout=subprocess.PIPE, text=True)
   try:

@@ -278,7 +278,7 @@ MEET = """
 import time
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from zerojax import distributed
+from zerojax.run import distributed
 from zerojax.config import base_config
 distributed.initialize(base_config().distributed)
 mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -152,7 +152,7 @@ def test_fp32_adamw_matches_optax():
 
 _EXCESS_PRECISION_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
-    from zerojax import update_rules
+    from zerojax.optim import update_rules
     p = jnp.ones((1024,), jnp.bfloat16)
     tx = update_rules.with_update_rule(optax.identity(), "kahan")
     step = jax.jit(lambda p, s: tx.update(jnp.full((1024,), 1e-3, jnp.float32), s, p))

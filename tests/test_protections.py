@@ -225,7 +225,7 @@ def test_the_watchdog_default_is_ten_medians_of_the_first_five_steps_at_least_30
 # the loop calls, `watchdog.test_stall`).
 STALLED_LOOP = """
 import time
-from zerojax import watchdog
+from zerojax.run import watchdog
 dog = watchdog.Watchdog(0, floor=0.5)
 for step in range(1, 10):
   dog.mark(f"step {step} (data, dispatch, or waiting on the device)", step=True)
