@@ -86,17 +86,6 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
   port = port or free_port()
   procs, lock, log = [], threading.Lock(), lambda msg: print(f"[launch] {msg}", file=sys.stderr,
                                                               flush=True)
-  # Each in its own session: a Ctrl-C on the terminal reaches them once, through us.
-  for rank in range(nproc):
-    procs.append(subprocess.Popen(command, env=child_env(rank, nproc, port, devices),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  start_new_session=True, preexec_fn=_die_with_parent))
-  threads = [threading.Thread(target=_pipe, args=(stream, out, f"[{rank}] ", lock), daemon=True)
-             for rank, p in enumerate(procs)
-             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
-  for t in threads:
-    t.start()
-
   signals = []
 
   def forward(signum, frame):
@@ -109,7 +98,26 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
     for p in procs:
       if p.poll() is None:
         p.send_signal(signal.SIGTERM if len(signals) == 1 else signal.SIGKILL)
+  # Before the first process starts: a signal that comes while they start reaches
+  # those started, and no more start (without it, the default action ended the launcher).
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  # Each in its own session: a Ctrl-C on the terminal reaches them once, through us.
+  for rank in range(nproc):
+    if signals:
+      break
+    procs.append(subprocess.Popen(command, env=child_env(rank, nproc, port, devices),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  start_new_session=True, preexec_fn=_die_with_parent))
+  nproc = len(procs)
+  if not procs:  # Stopped before anything started.
+    signal.signal(signal.SIGINT, previous[signal.SIGINT])
+    signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
+    return status(-signals[0])
+  threads = [threading.Thread(target=_pipe, args=(stream, out, f"[{rank}] ", lock), daemon=True)
+             for rank, p in enumerate(procs)
+             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+  for t in threads:
+    t.start()
   # Exits in the order they happen (a thread per process), so the first failure is the
   # cause and the others' (PEER_LOST, or our SIGTERM) its consequences.
   exited = queue.Queue()
