@@ -319,16 +319,19 @@ def committed(checkpoints) -> list[int]:
 def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
   """Six SIGKILLs: after 1, 3 or 5 steps (with delays that land inside steps and
   saves), during start-up, and twice mid-save for certain (the save stalled inside
-  orbax's writer, as in test_sigkill_mid_save_resumes_from_the_previous_checkpoint).
-  Each restart resumes from the newest committed checkpoint and takes the dead run's
-  lock over; every step, trained once or again after a kill, has the uninterrupted
-  run's loss and gradient norm, and the final checkpoints are bit-identical."""
+  orbax's writer: `test_train.STALLED_TRAIN`). Each restart resumes from the newest
+  committed checkpoint (a kill mid-save: the one before the half-written one, read and
+  never written, its temporary directory removed, nothing called damaged) and takes the
+  dead run's lock over; every step, trained once or again after a kill, has the
+  uninterrupted run's loss and gradient norm, and the final checkpoints are
+  bit-identical."""
   common = (*COMMON, "--config.train.steps=16", "--config.checkpoint.every_steps=2")
   straight, w = tmp_path / "straight", tmp_path / "killed"
   result = run_train(*common, f"--workdir={straight}", env=env)
   assert result.returncode == exits.DONE, result.stderr[-3000:]
   ckpts, marker = w / "checkpoints", tmp_path / "stalled"
   kills = [(1, 0.0), ("stall", 0), (5, 0.3), ("start", 0), ("stall", 0), (3, 0.1)]
+  newest_at_stall = None  # (path, files) of the checkpoint a kill mid-save leaves newest.
   for i, (when, delay) in enumerate(kills):
     before = committed(ckpts) if ckpts.exists() else []
     if when == "stall":  # The save after the newest checkpoint stalls mid-write.
@@ -338,6 +341,10 @@ def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
                                   STALL_MARKER=str(marker)))
       lines = kill_when(proc, lambda _: marker.exists())
       assert os.path.isdir(ckpts / f"{stall}.orbax-checkpoint-tmp"), lines[-5:]
+      assert committed(ckpts) == before, committed(ckpts)  # The half-written one is not.
+      if before:
+        newest = ckpts / str(before[-1])
+        newest_at_stall = (newest, checkpoint_files(newest))
       marker.unlink()
     else:
       proc = start_train(*common, f"--workdir={w}", env=env)
@@ -350,12 +357,18 @@ def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
           f"left {on_disk}")  # Where it landed (pytest -s).
     if before:  # Each start resumes from the newest committed checkpoint of the last kill.
       assert f"resumed from {ckpts}/{before[-1]}\n" in lines, lines[-20:]
+    assert "damaged" not in "".join(lines), lines[-20:]  # Half-written is not damaged.
+    if newest_at_stall and when != "stall":  # The run after a kill mid-save read it only.
+      path, files = newest_at_stall
+      assert not path.exists() or checkpoint_files(path) == files, path
+      assert not [n for n in os.listdir(ckpts) if n.endswith("-tmp")], os.listdir(ckpts)
+      newest_at_stall = None
     if i:  # The lock of the run killed before.
       assert "note: took over" in "".join(lines), lines[:5]
   final = run_train(*common, f"--workdir={w}", env=env)
   assert final.returncode == exits.DONE, final.stderr[-3000:]
   assert f"resumed from {ckpts}/" in final.stdout and "done: 16 steps" in final.stdout
-  assert "note: took over" in final.stdout
+  assert "note: took over" in final.stdout and "damaged" not in final.stdout + final.stderr
 
   want = {r["step"]: (r["loss"], r["grad_norm"]) for r in step_records(straight)}
   got = [(r["step"], (r["loss"], r["grad_norm"])) for r in step_records(w)]

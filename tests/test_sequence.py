@@ -116,22 +116,22 @@ def test_all_to_all_bytes_per_layer_are_the_formula(remat, kv_heads):
 
 
 @pytest.mark.slow
-def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_exactly(
+def test_train_py_trains_2048_token_sequences_split_over_8_devices_and_resumes_exactly(
     tmp_path):
-  """train.py (this process: `zerojax.train.main`), one sequence of 8192 tokens a step
+  """train.py (this process: `zerojax.train.main`), one sequence of 2048 tokens a step
   over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls,
   and 2 steps, a stop, 2 more = 4 straight (every step's metrics, and the last
   checkpoint bit for bit)."""
   from test_train import checkpoint_leaves, step_records
   common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
       "mesh.sequence_parallel=True", "model.n_heads=8", "model.n_layers=1", "model.d_model=32",
-      "model.d_ff=96", "train.seq_len=8192", "train.global_batch_size=1",
-      "model.attention_block=1024", "model.loss_chunk=2048", "train.steps=4",
+      "model.d_ff=96", "train.seq_len=2048", "train.global_batch_size=1",
+      "model.attention_block=256", "model.loss_chunk=512", "train.steps=4",
       "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
       "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.tensorboard=False",
       # The long-context recipe's other two parts: on CPU the moves lower to nothing, so
       # this runs their loops (the saved inputs read back one ahead, MLP tiles) end to end.
-      "model.activation_offload=host", "model.mlp_chunk=256"))]
+      "model.activation_offload=host", "model.mlp_chunk=64"))]
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   assert zerojax.train.main([*common, f"--workdir={straight}"]) == 0
   assert zerojax.train.main([*common, "--stop_after=2", f"--workdir={resumed}"]) == 75
@@ -142,7 +142,7 @@ def test_train_py_trains_8192_token_sequences_split_over_8_devices_and_resumes_e
   assert [r["step"] for r in b] == list(range(1, 5)) and a == b
   evals = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
   held_out = [r["eval_loss"] for r in evals if "eval_loss" in r]
-  assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.1, held_out  # 5.56 -> 5.31
+  assert len(held_out) == 3 and held_out[-1] < held_out[0] - 0.1, held_out
   leaves = [checkpoint_leaves(w / "checkpoints" / "4") for w in (straight, resumed)]
   assert leaves[0].keys() == leaves[1].keys()
   for k in leaves[0]:
