@@ -31,7 +31,7 @@ from zerojax.runtime import exits
 FACTOR = 10.0
 MEASURED = 5
 MIN_TIMEOUT = 300.0
-_STALL_ENV = "ZEROJAX_TEST_STALL"  # "process:step": a test's stuck process (`test_stall`).
+_STALL_ENV = "ZEROJAX_TEST_STALL"  # "process:step" or "process:path": a stuck process (`test_stall`).
 
 
 def derived_timeout(intervals: Sequence[float], floor: float = MIN_TIMEOUT) -> float:
@@ -98,7 +98,11 @@ class Watchdog:
 
 
 def test_stall(process_id: int, step: int) -> None:
-  """For the hang test only: blocks this thread forever at `step` when the environment
-  names this process and step (`ZEROJAX_TEST_STALL=process:step`)."""
-  if os.environ.get(_STALL_ENV) == f"{process_id}:{step}":
+  """For the hang tests only: blocks this thread forever at `step` when the environment
+  names this process and step (`ZEROJAX_TEST_STALL=process:step`), or at the first step
+  at which a file exists (`process:/path`: the test says when, not a step count)."""
+  who, _, when = os.environ.get(_STALL_ENV, "").partition(":")
+  if who != str(process_id):
+    return
+  if (int(when) == step) if when.isdigit() else os.path.exists(when):
     threading.Event().wait()
