@@ -31,7 +31,7 @@ from zerojax.runtime import exits
 FACTOR = 10.0
 MEASURED = 5
 MIN_TIMEOUT = 300.0
-_STALL_ENV = "ZEROJAX_TEST_STALL"  # "process:step" or "process:path": a stuck process (`test_stall`).
+_STALL_ENV = "ZEROJAX_TEST_STALL"  # "process:step" or "process:path": `test_stall`.
 
 
 def derived_timeout(intervals: Sequence[float], floor: float = MIN_TIMEOUT) -> float:
