@@ -1,6 +1,8 @@
 """Tests for train.py end to end (in a subprocess), zerojax.data and zerojax.optim."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import zerojax.train
 from zerojax import data, optim
 from zerojax.checkpoint import layout
 from zerojax.config import base_config
@@ -38,6 +41,21 @@ def run_train(*args: str, timeout: float = 180,
   """Runs train.py on 8 fake CPU devices; the timeout turns a hung collective into a failure."""
   return subprocess.run([sys.executable, TRAIN, *args], cwd=REPO, env=env or train_env(),
                         capture_output=True, text=True, timeout=timeout)
+
+
+def train_here(*args: str) -> subprocess.CompletedProcess:
+  """train.py's `zerojax.train.main(args)` in this process (its 8 CPU devices), stdout and
+  stderr captured, as `run_train` returns them. For runs where the process boundary is
+  not what is tested (a run's numbers, its exit status and lines): no JAX start, and the
+  modules and tokenizer already imported. This process compiles at LLVM -O0 (machine
+  code only: conftest.py) and without the children's compilation cache."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = zerojax.train.main(list(args))
+    except SystemExit as e:  # A config error: argparse's and load_config's exit 2.
+      code = e.code
+  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def start_train(*args: str, env: dict[str, str], prefix: tuple[str, ...] = (TRAIN,)
@@ -68,7 +86,7 @@ def test_train_stage3_loss_falls(tmp_path):
 
 
 def test_bad_override_exits_2_without_traceback():
-  result = run_train("--config", TINY, "--config.zero.stag=2", timeout=60)
+  result = train_here("--config", TINY, "--config.zero.stag=2")
   assert result.returncode == 2
   assert "zero.stag" in result.stderr and "zero.stage" in result.stderr
   assert "Traceback" not in result.stderr and result.stdout == ""
@@ -166,8 +184,8 @@ def test_dry_run_compiles_70b_for_64_devices_without_allocating(tmp_path):
 
 
 def test_missing_data_file_exits_2_without_traceback(tmp_path):
-  result = run_train("--config", TINY, "--config.data.name=tokens",
-                     f"--config.data.path={tmp_path / 'nope.bin'}", timeout=60)
+  result = train_here("--config", TINY, "--config.data.name=tokens",
+                      f"--config.data.path={tmp_path / 'nope.bin'}")
   assert result.returncode == 2, result.stderr[-2000:]
   assert "nope.bin" in result.stderr and "Traceback" not in result.stderr
 
@@ -175,7 +193,7 @@ def test_missing_data_file_exits_2_without_traceback(tmp_path):
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_train_runs_at_every_stage_on_8_devices(stage, tmp_path):
   """Stage 3 runs in test_train_stage3_loss_falls; here the others, a few steps each."""
-  result = run_train("--config", TINY, "--config.train.steps=3",
+  result = train_here("--config", TINY, "--config.train.steps=3",
                      "--config.optimizer.warmup_steps=1", f"--config.zero.stage={stage}",
                      "--config.train.eval_every=0", "--config.train.eval_batches=1",
                      f"--config.workdir={tmp_path}")
