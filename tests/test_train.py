@@ -65,26 +65,6 @@ def start_train(*args: str, env: dict[str, str], prefix: tuple[str, ...] = (TRAI
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def test_train_stage3_loss_falls(tmp_path):
-  result = run_train("--config", TINY, "--config.train.steps=30", "--config.zero.stage=3",
-                     "--config.train.log_every=10", "--config.train.eval_every=0",
-                     "--config.mesh.data=2", "--config.optimizer.warmup_steps=5",
-                     f"--config.workdir={tmp_path}")
-  assert result.returncode == 0, result.stderr[-3000:]
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  header = records[0]
-  assert header["devices"] == 8 and header["mesh"] == {"data": 2, "fsdp": 4}
-  assert header["stage"] == 3 and header["params"] > 0
-  losses = [r["loss"] for r in records if "loss" in r]
-  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-  assert [r["step"] for r in records if "loss" in r] == [1, 10, 20, 30]
-  assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses
-  assert len(evals) == 2 and evals[-1] < evals[0] - 1.0, evals
-  assert records[-1]["final_eval_loss"] == evals[-1]
-  # The printed lines carry the same numbers.
-  assert f"loss {losses[-1]:.4f}" in result.stdout and "final eval loss" in result.stdout
-
-
 def test_bad_override_exits_2_without_traceback():
   result = train_here("--config", TINY, "--config.zero.stag=2")
   assert result.returncode == 2
@@ -243,6 +223,9 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
 def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
 
+  The straight run's header names its devices, mesh and stage, and on the text corpus its
+  loss and held-out loss fall by a nat in the 20 steps.
+
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
   schedule resumes too) and bit-identical checkpoints of the whole state (params, Adam
   moments, Kahan buffers, step, rng, loss scale), read back from disk. TensorBoard (and,
@@ -265,6 +248,18 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   first = run_train(*common, f"--workdir={straight}", env=env)
   assert first.returncode == 0, first.stderr[-2000:]
+  records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+  header = records[0]
+  assert header["devices"] == 8 and header["stage"] == stage and header["params"] > 0
+  assert header["mesh"] == ({"data": 1, "fsdp": 8} if "fsdp=8" in mesh else {"data": 2, "fsdp": 4})
+  if config == TINY:  # The quick start's model learns: the loss and held-out loss fall.
+    losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses
+    assert len(evals) == 3 and evals[-1] < evals[0] - 1.0, evals
+    assert records[-1]["final_eval_loss"] == evals[-1]
+    # The printed lines carry the same numbers.
+    assert f"loss {losses[-1]:.4f}" in first.stdout and "final eval loss" in first.stdout
   # --stop_after: what train.py does on SIGTERM after that step (save, exit 75), but at a
   # known step; train.steps, and so the schedule, stay those of the straight run.
   stopped = run_train(*common, f"--stop_after={k}", f"--workdir={resumed}", env=env)
