@@ -172,7 +172,7 @@ def test_missing_data_file_exits_2_without_traceback(tmp_path):
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_train_runs_at_every_stage_on_8_devices(stage, tmp_path):
-  """Stage 3 runs in test_train_stage3_loss_falls; here the others, a few steps each."""
+  """Stage 3 runs in test_stop_and_resume_is_exact; here the others, a few steps each."""
   result = train_here("--config", TINY, "--config.train.steps=3",
                      "--config.optimizer.warmup_steps=1", f"--config.zero.stage={stage}",
                      "--config.train.eval_every=0", "--config.train.eval_batches=1",
