@@ -69,13 +69,31 @@ def config_text(config: ml_collections.ConfigDict) -> str:
   return "\n".join("    " + line for line in config.to_json_best_effort(indent=2).splitlines())
 
 
+def _summary_writer() -> type:
+  """tensorboardX's SummaryWriter, imported without torch.
+
+  tensorboardX imports torch when it is installed (to accept its tensors; we log floats):
+  1-2 s and hundreds of MB at every run's start where torch is there (the hf-check
+  extra, most ML environments). Hidden for the import unless something loaded it already.
+  """
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which it handles.
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415  optional: only a run that logs to TensorBoard
+  finally:
+    if hide:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 def tensorboard(logdir: str, config: ml_collections.ConfigDict, start: int) -> Writer:
   """Event files in `logdir`; a resumed run (start > 0) writes a new file from start + 1.
 
   `purge_step` marks the new file so TensorBoard drops what older files hold at steps
   after `start` (logged by a run killed after its last checkpoint): no step twice.
   """
-  from tensorboardX import SummaryWriter  # noqa: PLC0415  optional: only a run that logs to TensorBoard
+  SummaryWriter = _summary_writer()
   # The file is named by the second it was opened in; the start step keeps two runs
   # opened in one second apart (else the second would overwrite the first's file).
   writer = SummaryWriter(logdir, purge_step=start + 1 if start else None,
