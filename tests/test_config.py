@@ -376,7 +376,8 @@ def test_argument_parser_mistakes_are_config_errors():
 @pytest.mark.slow
 def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
   """A built wheel, installed on its own (no checkout on sys.path), trains from a copied config
-  with its `zerojax-train` console script, and its other scripts run.
+  with its `zerojax-train` console script on one CPU device (no fake devices), and its
+  other scripts run.
 
   The schema and the trainer are in the package, so nothing depends on the checkout's
   `configs/` folder or train.py.
@@ -390,7 +391,7 @@ def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
                  capture_output=True)
   elsewhere.mkdir()
   (elsewhere / "tiny.py").write_text(open(TINY).read())
-  env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   run = lambda *args: subprocess.run(args, cwd=elsewhere, env=env,  # noqa: E731
                                      capture_output=True, text=True, timeout=300)
   where = run(sys.executable, "-c", "import zerojax; print(zerojax.__file__)")
@@ -406,6 +407,8 @@ def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
                 "--workdir", "run")
   assert trained.returncode == 0, trained.stderr[-2000:]
   assert "done: 5 steps" in trained.stdout + trained.stderr
+  header = json.loads((elsewhere / "run" / "metrics.jsonl").read_text().splitlines()[0])
+  assert header["devices"] == 1
   planned = run(script("memory"), "--config", "tiny.py", "--devices", "8",
                 "--device-memory", "1GiB")
   assert planned.returncode == 0 and "total per device" in planned.stdout, planned.stderr
