@@ -42,11 +42,15 @@ def test_the_tiled_layer_has_the_untiled_params():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("chunk", [8, 12, 64], ids=["4_tiles", "padded", "one_tile"])
-@pytest.mark.parametrize("remat", ["full", "none", "minimal"])
+@pytest.mark.parametrize("chunk, remat", [
+    (8, "full"), (12, "full"), (64, "full"),  # Every tiling under layer remat.
+    (8, "none"), (12, "minimal")],  # Without remat, and a policy that names MLP values.
+    ids=["4_tiles-full", "padded-full", "one_tile-full", "4_tiles-none", "padded-minimal"])
 def test_tiled_loss_and_gradients_are_the_untiled_ones(chunk, remat):
   """T = 32 in tiles of 8, of 12 (3 tiles, the last padded: a prompt's length) and of 64
-  (one tile of T); with and without layer remat, and a policy that names MLP values."""
+  (one tile of T), under layer remat; tiles without layer remat, and padded tiles under a
+  policy that names MLP values (the tiling and the remat policy are separate code:
+  each tiling once, each policy with a multi-tile case; 5 cases of the 9 pairs)."""
   params = random_params(SMALL)
   tokens = np.random.RandomState(1).randint(0, SMALL.vocab_size, (2, T + 1)).astype(np.int32)
   c = dataclasses.replace(SMALL, remat=remat)
