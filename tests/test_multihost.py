@@ -1,7 +1,7 @@
 """Multi-host on one machine: real processes joined by jax.distributed, gloo collectives.
 
 One module fixture runs train.py five times, two at a time (all fp32, constant lr 1e-3,
-20 steps of a 2-layer Llama on 8 CPU devices in all, a checkpoint at step 10):
+20 steps of a 2-layer, width-32 Llama on 8 CPU devices in all, a checkpoint at step 10):
 
 - `ref`: 1 process x 8 devices, stage 3: the reference losses;
 - `killed`: 2 processes x 4 devices, stage 3, started directly; process 1 is SIGKILLed
@@ -46,6 +46,8 @@ LOST_WITHIN = 15  # Seconds from a SIGKILL to the others' exit, with default set
 PEER_LOST_WITHIN = 2
 # fp32 everywhere, so that 1 and 2 processes may differ only by reduction order.
 TINY = ["--config", os.path.join(REPO, "configs", "tiny.py"), "--config.model.n_layers=2",
+        "--config.model.d_model=32", "--config.model.d_ff=96", "--config.model.n_heads=2",
+        "--config.model.n_kv_heads=1",
         "--config.train.seq_len=32", "--config.model.attention_block=32",
         "--config.model.loss_chunk=32", "--config.train.global_batch_size=16",
         "--config.train.steps=20", "--config.train.log_every=1", "--config.train.eval_every=0",
