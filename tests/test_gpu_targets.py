@@ -81,8 +81,9 @@ def _compile(name, overrides, target, devices):
   return config, built, gpu_compile.compile_step(built, config, spec)
 
 
-_compiled = functools.cache(lambda name, overrides, target: _compile(name, overrides, target,
-                                                                      None))
+@functools.cache
+def _compiled(name, overrides, target):
+  return _compile(name, overrides, target, None)
 
 
 def reductions(text):

@@ -110,8 +110,8 @@ def launch(command: list[str], nproc: int, devices: int = 0, port: int = 0,
                                   start_new_session=True, preexec_fn=_die_with_parent))
   nproc = len(procs)
   if not procs:  # Stopped before anything started.
-    signal.signal(signal.SIGINT, previous[signal.SIGINT])
-    signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
+    for s, handler in previous.items():
+      signal.signal(s, handler)
     return status(-signals[0])
   threads = [threading.Thread(target=_pipe, args=(stream, out, f"[{rank}] ", lock), daemon=True)
              for rank, p in enumerate(procs)
