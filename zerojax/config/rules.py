@@ -70,7 +70,10 @@ _MODEL_ONLY = {
     "llama": ("n_heads", "n_kv_heads", "rope_theta", "rope_scaling_factor",
               "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context",
               "norm_eps", "tie_embeddings", "attention", "attention_block", "loss_chunk",
-              "activation_offload", "mlp_chunk"),
+              "activation_offload", "mlp_chunk", "family", "head_size", "qkv_bias", "qk_norm",
+              "norm_offset", "scale_embeddings", "hidden_act", "post_norms",
+              "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
+              "rope_local_theta", "rope_scaling_type"),
 }
 
 
@@ -95,10 +98,15 @@ def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
     if m.n_heads % m.n_kv_heads:
       raise ConfigError(f"n_kv_heads={m.n_kv_heads} does not divide n_heads={m.n_heads}.",
                         key="model.n_kv_heads", source=where, fix="use a divisor of n_heads")
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+    if m.head_size % 2:
+      raise ConfigError(f"head_size={m.head_size} must be even (rotary embeddings rotate "
+                        "pairs).", key="model.head_size", source=source_of(
+                            source, "model.head_size"), fix="choose an even head_size")
+    if not m.head_size and (m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
       raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even "
                         "size (rotary embeddings rotate pairs).", key="model.d_model",
-                        source=where, fix="choose d_model divisible by 2 * n_heads")
+                        source=where, fix="choose d_model divisible by 2 * n_heads, or set "
+                        "model.head_size")
 
 
 def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:

@@ -195,6 +195,31 @@ _ROWS = (
           range=POSITIVE),
     Field("model.norm_eps", 1e-5, "llama: RMSNorm epsilon.", range=POSITIVE),
     Field("model.tie_embeddings", False, "llama: output head shares the embedding matrix."),
+    Field("model.family", "llama", "llama: the Hugging Face family (what export writes; import "
+          "sets it); its differences are the keys below (zerojax/models/llama.py).",
+          choices=("llama", "qwen2", "qwen3", "mistral", "gemma3")),
+    Field("model.head_size", 0, "llama: head dimension when not d_model / n_heads (HF's "
+          "head_dim: Qwen3, Gemma 3); 0 = d_model / n_heads.", range=NON_NEGATIVE),
+    Field("model.qkv_bias", False, "llama: q, k, v projections with biases (Qwen2)."),
+    Field("model.qk_norm", False, "llama: RMSNorm of each query and key head (Qwen3, Gemma 3)."),
+    Field("model.norm_offset", 0.0, "llama: norms multiply by (norm_offset + scale) (Gemma: 1).",
+          range=NON_NEGATIVE),
+    Field("model.scale_embeddings", False, "llama: embedding output times sqrt(d_model) (Gemma)."),
+    Field("model.hidden_act", "silu", "llama: MLP gate activation: silu (SwiGLU) or gelu_tanh "
+          "(GeGLU, Gemma).", choices=("silu", "gelu_tanh")),
+    Field("model.post_norms", False, "llama: norms on each sublayer's output too, and a "
+          "pre-feed-forward norm (Gemma)."),
+    Field("model.query_pre_attn_scalar", 0, "llama: attention scores times its -1/2 power "
+          "(Gemma 3); 0 = head dimension.", range=NON_NEGATIVE),
+    Field("model.sliding_window", 0, "llama: local layers attend to this many latest positions; "
+          "0 = every layer global.", range=NON_NEGATIVE),
+    Field("model.sliding_window_pattern", 0, "llama: 0 = every layer local (with a window); P = "
+          "layer i global when (i + 1) % P == 0 (Gemma 3: 6).", range=NON_NEGATIVE),
+    Field("model.rope_local_theta", 0.0, "llama: local layers' own RoPE base, unscaled "
+          "(Gemma 3: 10000); 0 = the global RoPE.", range=NON_NEGATIVE),
+    Field("model.rope_scaling_type", "llama3", "llama: RoPE scaling when rope_scaling_factor is "
+          "set: llama3 (Llama 3.1) or linear (Gemma 3's global layers).",
+          choices=("llama3", "linear")),
     Field("model.attention", "auto", "llama: auto (dot_product on GPU in bf16/fp16, else blocked), "
           "blocked (query blocks, recomputed), dot_product (cuDNN on GPU).",
           choices=("auto", "blocked", "dot_product")),

@@ -7,13 +7,17 @@ alive. The other, 'dot_product', is `jax.nn.dot_product_attention` (cuDNN's fuse
 kernel on a GPU in bf16/fp16), called by the model itself.
 
 Packed sequences: with `segment_ids` a query sees only the keys of its own segment (its
-own example), besides the causal rule.
+own example), besides the causal rule. Sliding-window (local) attention: with `window` W
+> 0 a query at position i sees only keys at i - W < j <= i (Hugging Face's rule: W keys,
+itself included); W is static (a layer stack that mixes local and global layers picks
+its kernel per layer with `lax.cond`, `zerojax.models.llama`). `scale` multiplies the
+scores (None: Dh ** -0.5; Gemma's `query_pre_attn_scalar ** -0.5`).
 
 Shapes: B batch, T sequence, H query heads, K key/value heads, G = H // K, Dh head_dim,
 S query positions per block.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +25,26 @@ import jax.numpy as jnp
 from zerojax.runtime import platform
 
 
+class Mask(NamedTuple):
+  """What a kernel masks and scales beyond causality, static: `window` (0: none) and
+  `scale` (None: Dh ** -0.5); see the module docstring."""
+  window: int = 0
+  scale: float | None = None
+
+
+def _in_window(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+  """bool[..., S, T]: key k_pos[t] is within `window` of query q_pos[s] (k_pos <= q_pos
+  is the causal rule's, not checked here)."""
+  return q_pos[..., :, None] - k_pos[..., None, :] < window
+
+
 def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
-            q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+            q_seg: jax.Array, k_seg: jax.Array, mask: Mask = Mask()) -> jax.Array:
   """One query block: [B, S, K, G, Dh] queries at positions start.. against all T keys.
 
-  Scores are fp32 [B, K, G, S, T], masked causally and to the query's segment (q_seg
-  int32[B, S], k_seg int32[B, T]; None: one segment, no compare), softmax in fp32.
-  Returns [B, S, K, G, Dh] in q's dtype.
+  Scores are fp32 [B, K, G, S, T], masked causally, to the window and to the query's
+  segment (q_seg int32[B, S], k_seg int32[B, T]; None: one segment, no compare), softmax
+  in fp32. Returns [B, S, K, G, Dh] in q's dtype.
   """
   S, T = q_blk.shape[1], k.shape[1]
   # Ties the mask to this block's queries. Computed from constants alone, it would be
@@ -35,32 +52,36 @@ def _attend(q_blk: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array,
   # masks of all blocks, made once, a [n, B, K, G, S, T] array alive throughout.
   start, q_blk = jax.lax.optimization_barrier((start, q_blk))
   visible = jnp.arange(T)[None, :] <= (start + jnp.arange(S))[:, None]  # [S, T]
+  if mask.window:
+    visible &= _in_window(start + jnp.arange(S), jnp.arange(T), mask.window)
   if q_seg is not None:  # [B, 1, 1, S, T]: also the query's own segment.
     visible = (visible & (q_seg[:, :, None] == k_seg[:, None, :]))[:, None, None]
-  return _masked_attention(q_blk, k, v, visible)
+  return _masked_attention(q_blk, k, v, visible, mask.scale)
 
 
-def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
-                      ) -> jax.Array:
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                      scale: float | None = None) -> jax.Array:
   """Queries [B, S, K, G, Dh] against keys and values [B, T, K, Dh] where `visible`
-  (bool, broadcast to [B, K, G, S, T]); fp32 scores and softmax. Returns q's shape and
-  dtype."""
+  (bool, broadcast to [B, K, G, S, T]); fp32 scores (times `scale`, None: Dh ** -0.5)
+  and softmax. Returns q's shape and dtype."""
   s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-  p = jax.nn.softmax(jnp.where(visible, s * q.shape[-1] ** -0.5, -1e30), axis=-1)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  p = jax.nn.softmax(jnp.where(visible, s * scale, -1e30), axis=-1)
   out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.astype(q.dtype)
 
 
-def _attend_blocks_fwd(q, k, v, q_seg, k_seg):
+def _attend_blocks_fwd(mask, q, k, v, q_seg, k_seg):
   """`_attend` over query blocks q: [n, B, S, K, G, Dh] -> same, q_seg: int32[n, B, S];
-  residuals q, k, v and the segment ids."""
+  residuals q, k, v and the segment ids. `mask`: a static `Mask`."""
   starts = jnp.arange(q.shape[0]) * q.shape[2]
-  out = jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1], xs[2], k_seg), (q, starts, q_seg))
+  out = jax.lax.map(lambda xs: _attend(xs[0], k, v, xs[1], xs[2], k_seg, mask),
+                    (q, starts, q_seg))
   return out, (q, k, v, q_seg, k_seg)
 
 
-def _attend_blocks_bwd(res, ct):
+def _attend_blocks_bwd(mask, res, ct):
   # The forward kept only q, k, v: each block's scores are recomputed here, and dk, dv
   # summed over blocks in fp32 (a `jax.checkpoint` per block would sum them in the
   # compute dtype, in the transpose of the scan).
@@ -69,7 +90,7 @@ def _attend_blocks_bwd(res, ct):
 
   def block(acc, xs):
     q_blk, start, seg, ct_blk = xs
-    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start, seg, k_seg), q_blk, k, v)
+    _, vjp = jax.vjp(lambda q, k, v: _attend(q, k, v, start, seg, k_seg, mask), q_blk, k, v)
     dq, dk, dv = vjp(ct_blk)
     return (acc[0] + dk.astype(jnp.float32), acc[1] + dv.astype(jnp.float32)), dq
 
@@ -78,7 +99,7 @@ def _attend_blocks_bwd(res, ct):
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None  # Segment ids: integers.
 
 
-_attend_blocks = jax.custom_vjp(lambda *args: _attend_blocks_fwd(*args)[0])
+_attend_blocks = jax.custom_vjp(lambda *args: _attend_blocks_fwd(*args)[0], nondiff_argnums=(0,))
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
@@ -93,34 +114,39 @@ def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> 
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                          segment_ids: jax.Array | None = None) -> jax.Array:
+                          segment_ids: jax.Array | None = None, mask: Mask = Mask()
+                          ) -> jax.Array:
   """Causal grouped-query attention by `jax.nn.dot_product_attention`: cuDNN's fused
   kernel on a GPU in bf16/fp16, else XLA's (which materialises the scores). Shapes as
-  `blocked_attention`'s.
+  `blocked_attention`'s. A window is its `local_window_size` (W - 1 keys before the
+  query, none after): cuDNN's own sliding-window mask, a mask over the scores in XLA's.
 
   Packed rows: the segment mask as jax.nn.dot_product_attention takes it, which cuDNN
   turns into a [B, 1, T, T] bias (the whole scores' size, in the compute dtype).
   """
   # jax 0.10's implementation=None always means XLA (whole scores): ask for cuDNN.
   cudnn = platform.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-  mask = (None if segment_ids is None else
+  same = (None if segment_ids is None else
           (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                      scale=q.shape[-1] ** -0.5,
-                                      implementation="cudnn" if cudnn else "xla")
+  return jax.nn.dot_product_attention(
+      q, k, v, mask=same, is_causal=True,
+      scale=q.shape[-1] ** -0.5 if mask.scale is None else mask.scale,
+      local_window_size=(mask.window - 1, 0) if mask.window else None,
+      implementation="cudnn" if cudnn else "xla")
 
 
 def causal_attention(kernel: str, block: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                     segment_ids: jax.Array | None = None) -> jax.Array:
+                     segment_ids: jax.Array | None = None, mask: Mask = Mask()) -> jax.Array:
   """The `attention_kernel` named `kernel` ('blocked' with query blocks of `block`, or
   'dot_product') on [B, T, H, Dh] queries and [B, T, K, Dh] keys and values."""
   if kernel == "dot_product":
-    return dot_product_attention(q, k, v, segment_ids)
-  return blocked_attention(q, k, v, block, segment_ids)
+    return dot_product_attention(q, k, v, segment_ids, mask)
+  return blocked_attention(q, k, v, block, segment_ids, mask)
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, mask: Mask = Mask()
+                      ) -> jax.Array:
   """Causal grouped-query attention, one block of queries at a time.
 
   A loop over query blocks; each block's scores against all T keys are recomputed in
@@ -134,6 +160,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
     block: query positions per block.
     segment_ids: int32[B, T]: position i sees position j <= i only if their ids are
       equal (packed examples); None = one segment.
+    mask: the window and the scale (`Mask`).
 
   Returns:
     [B, T, H, Dh] in q's dtype.
@@ -149,12 +176,12 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
   if segment_ids is not None:
     q_seg = jnp.pad(segment_ids, ((0, 0), (0, n * size - T)))
     q_seg = q_seg.reshape(B, n, size).swapaxes(0, 1)  # [n, B, size]
-  out = _attend_blocks(q, k, v, q_seg, segment_ids)
+  out = _attend_blocks(mask, q, k, v, q_seg, segment_ids)
   return out.swapaxes(0, 1).reshape(B, n * size, H, Dh)[:, :T]
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
-                     ) -> jax.Array:
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                     mask: Mask = Mask()) -> jax.Array:
   """Causal grouped-query attention of new queries against a KV cache (decoding).
 
   Query t of row b sees the cache slots 0..positions[b, t]: the cache holds each token
@@ -165,12 +192,17 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     q: [B, T, H, Dh], the new tokens' queries (T = a prompt, or 1 per decode step).
     k, v: [B, S, K, Dh], the cache with the new tokens already written.
     positions: int32[B, T], each query's position.
+    mask: the window (a slot more than W - 1 before the query is not read) and scale.
 
   Returns:
     [B, T, H, Dh] in q's dtype.
   """
   B, T, H, Dh = q.shape
   K = k.shape[2]
-  visible = (jnp.arange(k.shape[1]) <= positions[..., None])[:, None, None]  # [B,1,1,T,S]
-  out = _masked_attention(q.reshape(B, T, K, H // K, Dh), k, v, visible)
+  slots = jnp.arange(k.shape[1])
+  visible = slots <= positions[..., None]  # [B, T, S]
+  if mask.window:
+    visible &= _in_window(positions, slots, mask.window)
+  out = _masked_attention(q.reshape(B, T, K, H // K, Dh), k, v, visible[:, None, None],
+                          mask.scale)
   return out.reshape(B, T, H, Dh)

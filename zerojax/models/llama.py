@@ -1,5 +1,14 @@
 """The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+The one decoder of every family zerojax runs (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3):
+a family is a few config fields, each one of its differences from Llama (q/k/v biases,
+q/k norms, an explicit head dimension, Gemma's (1 + w) norms, scaled embedding, GeGLU,
+extra norms around each sublayer, its attention scale, sliding-window layers with a
+RoPE base of their own); every field's default is Llama's. In a stack that mixes local
+(sliding-window) and global layers the layer index travels with the residual stream
+through the layer loop (the carry `(x, float32 index)`: the loops know nothing of it),
+and each layer picks its RoPE tables by data and its attention kernel by `lax.cond`.
+
 One file, read top to bottom: the config, the pieces (norm, attention; RoPE and kernels
 are `zerojax.models.rope`'s and `.attention`'s), the block, the model (`extend`: the
 KV-cached pass of `zerojax.generate`), the loss and the helpers a trainer needs
@@ -11,7 +20,8 @@ is gathered at a time (under remat, gathered again in the backward pass, not sav
 Long context: the blocked attention recomputes each query block's scores in the backward
 pass; the loss runs `loss_chunk` positions at a time. HF names: `zerojax.hf`.
 Shapes: B batch, T sequence, V vocab, D d_model, H query heads, K key/value heads,
-G = H // K queries per key/value head, Dh head_dim = D // H, F d_ff, L layers.
+G = H // K queries per key/value head, Dh head_dim (D // H unless `head_size`), F d_ff,
+L layers.
 """
 
 import dataclasses
@@ -28,7 +38,7 @@ from flax.core import FrozenDict
 from zerojax import sequence
 from zerojax.layered import LayeredLoss
 from zerojax.models import chunked_loss, tiled
-from zerojax.models.attention import attention_kernel, cached_attention, causal_attention
+from zerojax.models.attention import Mask, attention_kernel, cached_attention, causal_attention
 from zerojax.models.remat import POLICIES, named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from zerojax.stage3 import gather, scan_layers
@@ -39,11 +49,16 @@ Params = Any
 ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
 
 ATTENTION = ("auto", "blocked", "dot_product")
+# The Hugging Face families this decoder is (`zerojax.hf` maps each to its classes).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# MLP activations: SwiGLU's silu, GeGLU's tanh-approximated GELU (HF's gelu_pytorch_tanh).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 # The config's flat RoPE-scaling keys (zerojax/config/schema.py) -> `rope_scaling`'s (HF's names).
 ROPE_SCALING = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                 "rope_high_freq_factor": "high_freq_factor",
                 "rope_original_context": "original_max_position_embeddings"}
 ROPE_SCALING_KEYS = set(ROPE_SCALING.values())
+LINEAR_SCALING_KEYS = {"rope_type", "factor"}  # `rope_scaling` of linear RoPE scaling.
 INIT_STD = 0.02  # Hugging Face's initializer_range.
 
 
@@ -55,14 +70,35 @@ class LlamaConfig:
     vocab_size: V.
     d_model: D, the residual width.
     n_layers: L.
-    n_heads: H, query heads; must divide d_model.
+    n_heads: H, query heads; must divide d_model (unless `head_size` is set).
     n_kv_heads: K, key/value heads; must divide n_heads (K = H: multi-head attention).
     d_ff: F, the SwiGLU hidden width.
     rope_theta: the rotary base (10000 for Llama 2, 500000 for Llama 3).
     rope_scaling: None, or Llama 3.1's frequency scaling as a dict with keys factor,
-      low_freq_factor, high_freq_factor, original_max_position_embeddings.
+      low_freq_factor, high_freq_factor, original_max_position_embeddings, or linear
+      scaling as {'rope_type': 'linear', 'factor': f} (Gemma 3's global layers).
     norm_eps: RMSNorm epsilon.
     tie_embeddings: use the transposed token embedding as the output head.
+    family: the Hugging Face family (`FAMILIES`): the names export writes; the
+      differences themselves are the fields below.
+    head_size: Dh when it is not d_model // n_heads (HF's head_dim: Qwen3, Gemma 3,
+      Mistral-Small); 0 = d_model // n_heads.
+    qkv_bias: q, k and v projections with biases (Qwen2).
+    qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3).
+    norm_offset: every RMSNorm multiplies by (norm_offset + scale), the scales
+      initialised at 1 - norm_offset (Gemma: 1.0).
+    scale_embeddings: the embedding's output times sqrt(d_model) (Gemma).
+    hidden_act: the MLP's gate activation, a key of `ACTIVATIONS` (Gemma: gelu_tanh).
+    post_norms: norms on each sublayer's output too (Gemma): 'post_attention_layernorm'
+      is then the attention output's, 'pre_feedforward_layernorm' the MLP input's and
+      'post_feedforward_layernorm' its output's.
+    query_pre_attn_scalar: scores scaled by its -1/2 power (Gemma 3); 0 = Dh.
+    sliding_window: W > 0: local layers attend to the W latest positions (itself
+      included); 0 = every layer global.
+    sliding_window_pattern: 0: every layer local (with a window); P: layer i global when
+      (i + 1) % P == 0, the others local (Gemma 3: 6).
+    rope_local_theta: local layers' own RoPE base, unscaled (Gemma 3: 10000); 0 = the
+      global layers' RoPE.
     param_dtype: dtype the params are stored in.
     compute_dtype: dtype of activations and matmul inputs (norms, softmax, logits and
       loss are fp32 whatever this is).
@@ -91,6 +127,18 @@ class LlamaConfig:
   rope_scaling: Any = None
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  family: str = "llama"
+  head_size: int = 0
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  norm_offset: float = 0.0
+  scale_embeddings: bool = False
+  hidden_act: str = "silu"
+  post_norms: bool = False
+  query_pre_attn_scalar: int = 0
+  sliding_window: int = 0
+  sliding_window_pattern: int = 0
+  rope_local_theta: float = 0.0
   param_dtype: Any = jnp.bfloat16
   compute_dtype: Any = jnp.bfloat16
   attention: str = "auto"
@@ -103,8 +151,8 @@ class LlamaConfig:
 
   def __post_init__(self):
     for ok, message in [
-        (self.d_model % self.n_heads == 0, f"n_heads {self.n_heads} must divide d_model "
-         f"{self.d_model}"),
+        (self.head_size or self.d_model % self.n_heads == 0, f"n_heads {self.n_heads} must "
+         f"divide d_model {self.d_model} (or set head_size)"),
         (self.n_heads % self.n_kv_heads == 0, f"n_kv_heads {self.n_kv_heads} must divide "
          f"n_heads {self.n_heads}"),
         (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
@@ -113,8 +161,15 @@ class LlamaConfig:
         (min(self.attention_block, self.loss_chunk) > 0 and self.mlp_chunk >= 0,
          "attention_block and loss_chunk must be positive, mlp_chunk non-negative"),
         (self.activation_offload in ("none", "host"), "activation_offload: 'none' or 'host'"),
-        (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS,
-         f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}")]:
+        (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS or (
+            set(self.rope_scaling) == LINEAR_SCALING_KEYS
+            and self.rope_scaling["rope_type"] == "linear"),
+         f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}, or "
+         f"{sorted(LINEAR_SCALING_KEYS)} with rope_type 'linear'"),
+        (self.family in FAMILIES, f"family must be one of {FAMILIES}"),
+        (self.hidden_act in ACTIVATIONS, f"hidden_act must be one of {sorted(ACTIVATIONS)}"),
+        (min(self.head_size, self.sliding_window, self.sliding_window_pattern) >= 0,
+         "head_size, sliding_window and sliding_window_pattern must be non-negative")]:
       if not ok:
         raise ValueError(f"LlamaConfig: {message} (got {self})")
     if self.rope_scaling is not None:
@@ -123,7 +178,19 @@ class LlamaConfig:
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.head_size or self.d_model // self.n_heads
+
+  @property
+  def local_layers(self) -> tuple[bool, ...]:
+    """Per layer: does it attend to a sliding window (a local layer)?"""
+    P = self.sliding_window_pattern
+    return tuple(bool(self.sliding_window) and (P == 0 or (i + 1) % P != 0)
+                 for i in range(self.n_layers))
+
+  @property
+  def mixed_layers(self) -> bool:
+    """Local and global layers in one stack: the layer loop's carry holds the index."""
+    return len(set(self.local_layers)) > 1
 
   @classmethod
   def from_keys(cls, model: Mapping[str, Any], **kwargs: Any) -> "LlamaConfig":
@@ -131,8 +198,8 @@ class LlamaConfig:
 
     Every key that names a field is taken by that name, so a new model key is a row in
     the schema and a field here; the RoPE-scaling keys become `rope_scaling`
-    (`ROPE_SCALING`), set when `rope_scaling_factor` is. Other keys (`name`, another
-    family's) are ignored.
+    (`ROPE_SCALING`; `rope_scaling_type` 'linear': only the factor), set when
+    `rope_scaling_factor` is. Other keys (`name`, another family's) are ignored.
 
     Args:
       model: a ConfigDict or dict (also `hf.config_overrides`' result).
@@ -140,7 +207,9 @@ class LlamaConfig:
     """
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: model[k] for k in names if k in model}
-    if model.get("rope_scaling_factor"):
+    if model.get("rope_scaling_factor") and model.get("rope_scaling_type") == "linear":
+      values["rope_scaling"] = {"rope_type": "linear", "factor": model["rope_scaling_factor"]}
+    elif model.get("rope_scaling_factor"):
       values["rope_scaling"] = {new: model[old] for old, new in ROPE_SCALING.items()}
     return cls(**values, **kwargs)
 
@@ -148,24 +217,35 @@ class LlamaConfig:
 # ---------------------------------------------------------------------------- pieces
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """x * rsqrt(mean(x^2) + eps) * scale, in fp32: [..., D] (any float), [D] -> f32[..., D]."""
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) * (offset + scale), in fp32: [..., D] (any float), [D] ->
+  f32[..., D]."""
   x = x.astype(jnp.float32)
   x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-  return x * scale.astype(jnp.float32)
+  scale = scale.astype(jnp.float32)
+  return x * (offset + scale if offset else scale)
 
 
 class RMSNorm(nn.Module):
-  """RMSNorm with a learned scale ('scale': param_dtype[D]); output in `dtype`."""
+  """RMSNorm with a learned scale ('scale': param_dtype[D], logical axis `axis`), times
+  (offset + scale); output in `dtype`."""
   eps: float
   dtype: Any
   param_dtype: Any
+  offset: float = 0.0
+  axis: str = "embed"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    ones = nn.initializers.constant(1.0 - self.offset) if self.offset else nn.initializers.ones
+    init = nn.with_logical_partitioning(ones, (self.axis,))
     scale = self.param("scale", init, (x.shape[-1],), self.param_dtype)
-    return rms_norm(x, scale, self.eps).astype(self.dtype)
+    return rms_norm(x, scale, self.eps, self.offset).astype(self.dtype)
+
+
+def _norm(config: "LlamaConfig", name: str, axis: str = "embed") -> RMSNorm:
+  return RMSNorm(config.norm_eps, config.compute_dtype, config.param_dtype, config.norm_offset,
+                 axis, name=name)
 
 
 # ------------------------------------------------------------------------ the model
@@ -174,11 +254,26 @@ class RMSNorm(nn.Module):
 _dot_f32 = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
 
 
-def _dense(config: LlamaConfig, features: int, names: tuple[str, str], name: str):
-  """A bias-free Dense layer: kernel param_dtype[in, out] with logical axis `names`."""
+def _dense(config: LlamaConfig, features: int, names: tuple[str, str], name: str,
+           bias: bool = False):
+  """A Dense layer: kernel param_dtype[in, out] with logical axis `names`; with `bias`,
+  a bias param_dtype[out] (zeros, logical axis names[1])."""
   init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), names)
-  return nn.Dense(features, use_bias=False, dtype=config.compute_dtype,
-                  param_dtype=config.param_dtype, kernel_init=init, name=name)
+  bias_init = nn.with_logical_partitioning(nn.initializers.zeros, names[1:])
+  return nn.Dense(features, use_bias=bias, dtype=config.compute_dtype,
+                  param_dtype=config.param_dtype, kernel_init=init, bias_init=bias_init,
+                  name=name)
+
+
+def _by_layer(c: LlamaConfig, local: jax.Array | None, attend: Any) -> Any:
+  """The layer's attention: `attend(mask)` with its window and scale (`Mask`). In a stack
+  of local and global layers (`local` a traced bool) both are compiled and `lax.cond`
+  runs the layer's: each kernel keeps a static window (cuDNN's must be)."""
+  scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
+  if local is None:  # One kind of layer: local everywhere or nowhere.
+    return attend(Mask(c.sliding_window if any(c.local_layers) else 0, scale))
+  windowed, whole = attend(Mask(c.sliding_window, scale)), attend(Mask(0, scale))
+  return lambda *args: jax.lax.cond(local, windowed, whole, *args)
 
 
 class Attention(nn.Module):
@@ -187,29 +282,35 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               segment_ids: jax.Array | None = None, cache: tuple | None = None) -> Any:
+               segment_ids: jax.Array | None = None, cache: tuple | None = None,
+               local: jax.Array | None = None) -> Any:
     """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[(B,) T, Dh]; segment_ids:
     int32[B, T] or None (a position attends only to its own segment). With `cache` =
     (keys, values [B, S, K, Dh] compute dtype, positions int32[B, T]): the new keys and
     values written at `positions`, attention over the cache; returns (out, (keys, values)).
+    `local`: bool[], this layer's kind in a stack that mixes them (else None).
     """
     c = self.config
     B, T, _ = x.shape
     H, K, Dh = c.n_heads, c.n_kv_heads, c.head_dim
-    proj = lambda n, name, axis: named(_dense(c, n * Dh, ("embed", axis), name)(x), name)
+    proj = lambda n, name, axis: named(
+        _dense(c, n * Dh, ("embed", axis), name, c.qkv_bias)(x), name)
     q = proj(H, "q_proj", "heads").reshape(B, T, H, Dh)
     k = proj(K, "k_proj", "kv_heads").reshape(B, T, K, Dh)
     v = proj(K, "v_proj", "kv_heads").reshape(B, T, K, Dh)
+    if c.qk_norm:  # Per head, before RoPE (HF's q_norm, k_norm).
+      q, k = _norm(c, "q_norm", "head_dim")(q), _norm(c, "k_norm", "head_dim")(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None:
       keys, values, positions = cache
       at = (jnp.arange(B)[:, None], positions)  # A row's positions out of range: dropped.
       keys = keys.at[at].set(k.astype(keys.dtype), mode="drop")
       values = values.at[at].set(v.astype(values.dtype), mode="drop")
-      out = cached_attention(q, keys, values, positions)
+      out = _by_layer(c, local, lambda m: functools.partial(cached_attention, mask=m))(
+          q, keys, values, positions)
     else:
-      kernel = functools.partial(causal_attention, attention_kernel(c.attention, q.dtype),
-                                 c.attention_block)
+      kernel = _by_layer(c, local, lambda m: functools.partial(
+          causal_attention, attention_kernel(c.attention, q.dtype), c.attention_block, mask=m))
       out = (kernel(q, k, v, segment_ids) if c.sequence_axis is None else
              sequence.attention(q, k, v, segment_ids, c.sequence_axis, kernel))
     out = named(out.reshape(B, T, H * Dh), "attention_out")
@@ -218,7 +319,7 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x)) (HF's `mlp`)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (HF's `mlp`); GeGLU with `hidden_act` gelu_tanh."""
   config: LlamaConfig
 
   @nn.compact
@@ -227,32 +328,65 @@ class Mlp(nn.Module):
     c = self.config
     dense = lambda h, width, axes, name: named(_dense(c, width, axes, name)(h), name)
     gate, up = (dense(x, c.d_ff, ("embed", "mlp"), name) for name in ("gate_proj", "up_proj"))
-    return dense(jax.nn.silu(gate) * up, c.d_model, ("mlp", "embed"), "down_proj")
+    return dense(ACTIVATIONS[c.hidden_act](gate) * up, c.d_model, ("mlp", "embed"), "down_proj")
 
 
 class Block(nn.Module):
-  """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with `post_norms`,
+  x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))."""
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array],
+  def __call__(self, x: Any, rope: tuple[jax.Array, jax.Array],
                segment_ids: jax.Array | None = None, cache: tuple | None = None):
-    """(x [B, T, D], (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature;
-    with a `cache` (see `Attention`), (x, the layer's updated (keys, values))."""
+    """(x, (cos, sin), segment ids) -> (x, None): the `nn.scan` carry signature; with a
+    `cache` (see `Attention`), (x, the layer's updated (keys, values)). x: [B, T, D]; in a
+    stack of local and global layers (`mixed_layers`) the carry (x, float32[] layer
+    index), the index advanced by one, and cos, sin [2, (B,) T, Dh] (global, local)."""
     c = self.config
-    norm = lambda name: RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, name=name)
-    out = Attention(c, name="self_attn")(norm("input_layernorm")(x), *rope, segment_ids, cache)
+    x, layer = x if c.mixed_layers else (x, None)
+    local = None
+    if layer is not None:
+      local = jnp.asarray(c.local_layers)[layer.astype(jnp.int32)]
+      rope = tuple(jnp.where(local, r[1], r[0]) for r in rope)
+    out = Attention(c, name="self_attn")(_norm(c, "input_layernorm")(x), *rope, segment_ids,
+                                         cache, local)
     out, cache = (out, None) if cache is None else out
-    x = x + out
-    x = x + tiled.apply(Mlp(c, name="mlp"), norm("post_attention_layernorm")(x), c.mlp_chunk)
-    return x, cache
+    mlp = lambda h: tiled.apply(Mlp(c, name="mlp"), h, c.mlp_chunk)
+    if c.post_norms:
+      x = x + _norm(c, "post_attention_layernorm")(out)
+      x = x + _norm(c, "post_feedforward_layernorm")(mlp(_norm(c, "pre_feedforward_layernorm")(x)))
+    else:
+      x = x + out
+      x = x + mlp(_norm(c, "post_attention_layernorm")(x))
+    return (x if layer is None else (x, layer + 1)), cache
 
 
-def apply_block(config: LlamaConfig, params: Params, x: jax.Array, cos: jax.Array,
+def layer_rope(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The layer stack's (cos, sin) at `positions` (see `rope_tables`): the layers' kind's,
+  or, in a stack of both kinds, each [2, ..., T, Dh]: the global and the local tables."""
+  if not config.mixed_layers:
+    return rope_tables(config, positions, local=any(config.local_layers))
+  both = rope_tables(config, positions), rope_tables(config, positions, local=True)
+  return tuple(jnp.stack(tables) for tables in zip(*both))
+
+
+def stack_input(config: LlamaConfig, x: jax.Array) -> Any:
+  """The layer loop's input for residual stream x: x, or (x, layer 0) (`Block`)."""
+  return (x, jnp.zeros((), jnp.float32)) if config.mixed_layers else x
+
+
+def stack_output(config: LlamaConfig, out: Any) -> jax.Array:
+  """The residual stream of the layer loop's carry (`stack_input` undone)."""
+  return out[0] if config.mixed_layers else out
+
+
+def apply_block(config: LlamaConfig, params: Params, x: Any, cos: jax.Array,
                 sin: jax.Array, segment_ids: jax.Array | None = None,
                 cache: tuple | None = None) -> Any:
-  """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D]; with a `cache`
-  (keys, values, positions: see `Attention`), (x, the updated (keys, values))."""
+  """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D] (the carry and
+  tables of a mixed stack: see `Block`); with a `cache` (keys, values, positions: see
+  `Attention`), (x, the updated (keys, values))."""
   x, cache = Block(config, parent=None).apply({"params": params}, x, (cos, sin), segment_ids,
                                               cache)
   return x if cache is None else (x, cache)
@@ -274,16 +408,17 @@ def extend(config: LlamaConfig, params: Params, tokens: jax.Array, positions: ja
   """
   rest = {k: v for k, v in params.items() if k != "layers"}
   model = Llama(config)
-  x = model.apply({"params": rest}, tokens, method=lambda m, t: m.embed_tokens(t))
-  cos, sin = rope_tables(config, positions)
+  x = model.apply({"params": rest}, tokens, method=Llama.embed)
+  cos, sin = layer_rope(config, positions)
   # The stacks go through the loop as rows ([L, n]) and layer i's row past a barrier: else
   # XLA:GPU relays each whole stack for the all-gathers (at 70B on 8: 2 x 4.4 GiB copies).
   def layer(i, carry):
     x, keys, values, rows = carry
     p = jax.lax.optimization_barrier(jax.tree.map(lambda r: r[i], rows))
     p = gather(jax.tree.map(lambda r, a: r.reshape(a.shape[1:]), p, params["layers"]))
-    x, (k, v) = apply_block(config, p, x, cos, sin, cache=(keys[i], values[i], positions))
-    return x, keys.at[i].set(k), values.at[i].set(v), rows
+    h = (x, i.astype(jnp.float32)) if config.mixed_layers else x  # `Block`'s carry.
+    h, (k, v) = apply_block(config, p, h, cos, sin, cache=(keys[i], values[i], positions))
+    return stack_output(config, h), keys.at[i].set(k), values.at[i].set(v), rows
   rows = jax.tree.map(lambda a: a.reshape(len(a), -1), params["layers"])
   x, keys, values, _ = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache, rows))
   x = x if last is None else x[jnp.arange(x.shape[0]), last][:, None]
@@ -308,28 +443,38 @@ class Llama(nn.Module):
     self.layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(nn.broadcast, nn.broadcast), length=c.n_layers,
                           metadata_params={nn.PARTITION_NAME: "layers"})(c)
-    self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype)
+    self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, c.norm_offset)
     if not c.tie_embeddings:
       init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("embed", "vocab"))
       self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
                               param_dtype=c.param_dtype, kernel_init=init,
                               dot_general=_dot_f32)  # bf16 inputs, fp32 logits.
 
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """int32[B, T] -> [B, T, D] (compute dtype): the embedding, times sqrt(D) rounded to
+    the param dtype with `scale_embeddings` (as Gemma's)."""
+    c = self.config
+    x = self.embed_tokens(tokens)
+    if not c.scale_embeddings:
+      return x
+    return x * jnp.asarray(math.sqrt(c.d_model), c.param_dtype).astype(x.dtype)
+
   def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
              segment_ids: jax.Array | None = None) -> jax.Array:
     """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`);
     positions (None = 0..T-1), segment_ids (None = one): int32[B, T] (packed examples)."""
     c = self.config
-    x = self.embed_tokens(tokens)
-    cos, sin = rope_tables(c, tokens.shape[1] if positions is None else positions)
+    x = stack_input(c, self.embed(tokens))
+    cos, sin = layer_rope(c, tokens.shape[1] if positions is None else positions)
     if c.remat != "none" and not self.is_initializing():
       # `self.layers` run by `zerojax.scan_layers`, whose backward pass writes each layer's
       # gradient over the (fp32) params given, not into a second model: 4 B/param less.
-      return scan_layers(functools.partial(apply_block, c),
-                         self.variables["params"]["layers"], x, cos, sin, segment_ids,
-                         policy=policy(c.remat), offload=c.activation_offload == "host")
+      return stack_output(c, scan_layers(functools.partial(apply_block, c),
+                                    self.variables["params"]["layers"], x, cos, sin,
+                                    segment_ids, policy=policy(c.remat),
+                                    offload=c.activation_offload == "host"))
     x, _ = self.layers(x, (cos, sin), segment_ids)
-    return x
+    return stack_output(c, x)
 
   def head(self, x: jax.Array) -> jax.Array:
     """[..., D] hidden states -> float32[..., V] logits (final norm, then the head)."""
@@ -401,8 +546,8 @@ def param_shapes(config: LlamaConfig) -> ParamShapes:
   stacked on a leading 'layers' axis; kernels are [in, out]; no head when tied.
   """
   c = config
-  D, F, V = c.d_model, c.d_ff, c.vocab_size
-  q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  D, F, V, Dh = c.d_model, c.d_ff, c.vocab_size, c.head_dim
+  q, kv = c.n_heads * Dh, c.n_kv_heads * Dh
   layer = {
       ("input_layernorm", "scale"): ((D,), ("embed",)),
       ("mlp", "down_proj", "kernel"): ((F, D), ("mlp", "embed")),
@@ -414,6 +559,14 @@ def param_shapes(config: LlamaConfig) -> ParamShapes:
       ("self_attn", "q_proj", "kernel"): ((D, q), ("embed", "heads")),
       ("self_attn", "v_proj", "kernel"): ((D, kv), ("embed", "kv_heads")),
   }
+  if c.qkv_bias:
+    layer.update({("self_attn", f"{x}_proj", "bias"): ((n,), (axis,)) for x, n, axis in (
+        ("q", q, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads"))})
+  if c.qk_norm:
+    layer.update({("self_attn", f"{x}_norm", "scale"): ((Dh,), ("head_dim",)) for x in "qk"})
+  if c.post_norms:
+    layer.update({(f"{x}_feedforward_layernorm", "scale"): ((D,), ("embed",))
+                  for x in ("pre", "post")})
   shapes = {("embed_tokens", "embedding"): ((V, D), ("vocab", "embed"))}
   shapes.update({("layers", *path): ((c.n_layers, *shape), ("layers", *names))
                  for path, (shape, names) in layer.items()})
@@ -484,16 +637,16 @@ class LlamaLM:
     c = self.config
 
     def layer(p, x, batch):
-      positions = batch.get("positions", x.shape[1])
-      return apply_block(c, p, x, *rope_tables(c, positions), batch.get("segment_ids"))
+      positions = batch.get("positions", stack_output(c, x).shape[1])
+      return apply_block(c, p, x, *layer_rope(c, positions), batch.get("segment_ids"))
 
     return LayeredLoss(
-        embed=lambda rest, batch: Llama(c).apply(
-            {"params": rest}, sequence.inputs_and_targets(batch)[0],
-            method=lambda m, t: m.embed_tokens(t)),
+        embed=lambda rest, batch: stack_input(c, Llama(c).apply(
+            {"params": rest}, sequence.inputs_and_targets(batch)[0], method=Llama.embed)),
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
-            c, rest, x, sequence.inputs_and_targets(batch)[1], batch.get("loss_mask")),
+            c, rest, stack_output(c, x), sequence.inputs_and_targets(batch)[1],
+            batch.get("loss_mask")),
         stack="layers", offload=c.activation_offload == "host")
 
   def flops_per_token(self, seq_len: int) -> float:
