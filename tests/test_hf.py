@@ -242,7 +242,7 @@ def _break(folder, how):
     return single
   if how == "unknown architecture":
     config = json.load(open(os.path.join(folder, "config.json")))
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    config.update(architectures=["PhiForCausalLM"], model_type="phi")
     json.dump(config, open(os.path.join(folder, "config.json"), "w"))
     return os.path.join(folder, "config.json")
   w = load_file(single)
@@ -264,7 +264,7 @@ def _break(folder, how):
 @pytest.mark.parametrize("how,words", [
     ("no folder", "no such folder"), ("no config.json", "no config.json"),
     ("no safetensors", "no safetensors files"), ("truncated", "truncated"),
-    ("unknown architecture", "MistralForCausalLM"),
+    ("unknown architecture", "PhiForCausalLM"),
     ("wrong shape", "model.layers.1.self_attn.k_proj.weight has shape (8, 32), config.json "
                     "implies (16, 32)"),
     ("missing tensor", "missing tensor model.layers.1.mlp.up_proj.weight"),

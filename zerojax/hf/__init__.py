@@ -1,4 +1,12 @@
-"""Hugging Face Llama checkpoints <-> zerojax params, streamed tensor by tensor.
+"""Hugging Face checkpoints <-> zerojax params, streamed tensor by tensor.
+
+The families: `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+`MistralForCausalLM`, `Gemma3ForCausalLM` and the text tower of
+`Gemma3ForConditionalGeneration` (its vision tower is not read; export writes the
+text model as a `Gemma3ForCausalLM`). The family comes from config.json's
+`architectures` (else `model_type`) and becomes the decoder's fields
+(`config_overrides`); a checkpoint with a feature the decoder lacks is refused with
+one line naming the config.json field.
 
 The Hugging Face room: import and export of parameters here, `safetensors_file`
 (headers, index, the streaming writer) and `export` (`zerojax-export`: a train.py
@@ -25,9 +33,11 @@ plus an index). `_HF_NAMES` below is the table that follows as code, joined by l
 path to the model's own shapes (`llama.param_shapes`). The files themselves (headers,
 index, the streaming writer) are `zerojax.hf.safetensors_file`'s.
 
-Parameters and the Hugging Face Llama tensor each one is (i = layer index). HF's
+Parameters and the Hugging Face tensor each one is (i = layer index). HF's
 `nn.Linear.weight` is (out, in) and ours (in, out), so kernels are transposed; layer
-params are stacked along a leading layers axis of size L:
+params are stacked along a leading layers axis of size L. The text tower of a
+`Gemma3ForConditionalGeneration` has `model.language_model.` (saved by transformers 5)
+or `language_model.model.` (the published files) where the table has `model.`:
 
 | zerojax                                | Hugging Face                                     |
 | -------------------------------------- | ------------------------------------------------ |
@@ -36,6 +46,10 @@ params are stacked along a leading layers axis of size L:
 | layers/self_attn/{q,k,v,o}_proj/kernel | model.layers.i.self_attn.{q,k,v,o}_proj.weight.T |
 | layers/post_attention_layernorm/scale  | model.layers.i.post_attention_layernorm.weight   |
 | layers/mlp/{gate,up,down}_proj/kernel  | model.layers.i.mlp.{gate,up,down}_proj.weight.T  |
+| layers/self_attn/{q,k,v}_proj/bias     | model.layers.i.self_attn.{q,k,v}_proj.bias       |
+| layers/self_attn/{q,k}_norm/scale      | model.layers.i.self_attn.{q,k}_norm.weight       |
+| layers/{pre,post}_feedforward_layernorm | model.layers.i.{pre,post}_feedforward_layernorm |
+|   /scale (Gemma)                       |   .weight                                        |
 | norm/scale (D,)                        | model.norm.weight                                |
 | lm_head/kernel (D, V), absent if tied  | lm_head.weight.T                                 |
 """
@@ -51,7 +65,7 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 
 from zerojax.hf.safetensors_file import INDEX, HFError, tensor_index, write_folder
-from zerojax.models.llama import ROPE_SCALING, LlamaConfig, param_shapes
+from zerojax.models.llama import FAMILIES, ROPE_SCALING, LlamaConfig, param_shapes
 from zerojax.zero import ZeroPlan
 
 PyTree = Any
@@ -67,9 +81,18 @@ _HF_NAMES = dict((path, (name, transposed)) for path, name, transposed in (
     (("layers", "mlp", "up_proj", "kernel"), "model.layers.{i}.mlp.up_proj.weight", True),
     (("layers", "post_attention_layernorm", "scale"),
      "model.layers.{i}.post_attention_layernorm.weight", False),
+    (("layers", "post_feedforward_layernorm", "scale"),
+     "model.layers.{i}.post_feedforward_layernorm.weight", False),
+    (("layers", "pre_feedforward_layernorm", "scale"),
+     "model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    (("layers", "self_attn", "k_norm", "scale"), "model.layers.{i}.self_attn.k_norm.weight", False),
+    (("layers", "self_attn", "k_proj", "bias"), "model.layers.{i}.self_attn.k_proj.bias", False),
     (("layers", "self_attn", "k_proj", "kernel"), "model.layers.{i}.self_attn.k_proj.weight", True),
     (("layers", "self_attn", "o_proj", "kernel"), "model.layers.{i}.self_attn.o_proj.weight", True),
+    (("layers", "self_attn", "q_norm", "scale"), "model.layers.{i}.self_attn.q_norm.weight", False),
+    (("layers", "self_attn", "q_proj", "bias"), "model.layers.{i}.self_attn.q_proj.bias", False),
     (("layers", "self_attn", "q_proj", "kernel"), "model.layers.{i}.self_attn.q_proj.weight", True),
+    (("layers", "self_attn", "v_proj", "bias"), "model.layers.{i}.self_attn.v_proj.bias", False),
     (("layers", "self_attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", True),
     (("norm", "scale"), "model.norm.weight", False),
     (("lm_head", "kernel"), "lm_head.weight", True),
@@ -78,16 +101,41 @@ _HF_NAMES = dict((path, (name, transposed)) for path, name, transposed in (
 # (zerojax/config/schema.py).
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
               "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_context", "norm_eps", "tie_embeddings")
-# Only meaningful when rope_scaling_factor is set.
+              "rope_original_context", "norm_eps", "tie_embeddings", "family", "head_size",
+              "qkv_bias", "qk_norm", "norm_offset", "scale_embeddings", "hidden_act",
+              "post_norms", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
+              "rope_local_theta", "rope_scaling_type")
+# Only meaningful with Llama 3.1's scaling (rope_scaling_factor set, rope_scaling_type llama3).
 _ROPE_KEYS = tuple(k for k in ROPE_SCALING if k != "rope_scaling_factor")
+# config.json's `architectures` (else `model_type`) -> the family; export writes the first
+# of each family's.
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+               "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# What transformers' config classes take for a key a config.json leaves out (published
+# Gemma 3 text_configs give only a few keys), per family.
+_HF_DEFAULTS = {
+    "llama": dict(rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=False),
+    "qwen3": dict(rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
+    "mistral": dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=4096),
+    "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                   tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                   sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4),
+}
+# HF's activation names -> `LlamaConfig.hidden_act`.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 # ------------------------------------------------------------------------- config.json
 
 
 def read_config(folder: str) -> dict:
-  """The parsed `config.json` of a HF folder, checked to be a Llama we can run.
+  """The parsed `config.json` of a HF folder, checked to be of a family we run (`family`).
 
   Raises:
     HFError: no folder, no or unparseable config.json, another architecture.
@@ -104,68 +152,144 @@ def read_config(folder: str) -> dict:
       raw = json.load(f)
   except (OSError, ValueError) as e:
     raise HFError(f"cannot read it: {e}", path=path) from None
-  is_llama = ("LlamaForCausalLM" in (raw.get("architectures") or [])
-              or raw.get("model_type") == "llama")
-  if not is_llama:
-    raise HFError(f"architectures {raw.get('architectures')} / model_type "
-                  f"{raw.get('model_type')!r} is not a Llama causal LM", path=path,
-                  fix="zerojax imports LlamaForCausalLM (model_type 'llama') checkpoints only")
+  family(raw, path)
   return raw
 
 
+def family(raw: dict, path: str = "config.json") -> str:
+  """The family (`FAMILIES`) of a parsed config.json: its first known `architectures`
+  entry, else its `model_type`. Raises `HFError` naming both when neither is known."""
+  known = [ARCHITECTURES[a] for a in raw.get("architectures") or [] if a in ARCHITECTURES]
+  if known:
+    return known[0]
+  if raw.get("model_type") in MODEL_TYPES and not raw.get("architectures"):
+    return MODEL_TYPES[raw["model_type"]]
+  raise HFError(f"architectures {raw.get('architectures')} / model_type "
+                f"{raw.get('model_type')!r} is not a family zerojax runs", path=path,
+                fix=f"zerojax imports {', '.join(ARCHITECTURES)} checkpoints")
+
+
+def _text_config(raw: dict) -> dict:
+  """The decoder's keys of a config.json: a multimodal Gemma 3's `text_config`, over the
+  family's HF defaults (`_HF_DEFAULTS`)."""
+  text = raw.get("text_config") if raw.get("model_type") == "gemma3" else None
+  return {**_HF_DEFAULTS[family(raw)], **(raw if text is None else text)}
+
+
+def _layer_kinds(fam: str, cfg: dict, need: Callable) -> tuple[int, int]:
+  """(sliding_window, sliding_window_pattern) of a config.json's layers (HF's rules: an
+  explicit `layer_types`, else each family's), or HFError naming the field."""
+  n = int(need("num_hidden_layers"))
+  window = cfg.get("sliding_window") or 0
+  if fam in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    window = 0  # HF: sliding_window is read only with use_sliding_window.
+  types = cfg.get("layer_types") if fam != "mistral" else None  # Mistral's HF ignores it.
+  if types is None and fam == "gemma3":
+    P = int(cfg["sliding_window_pattern"])
+    types = ["sliding_attention" if (i + 1) % P else "full_attention" for i in range(n)]
+  elif types is None and fam in ("qwen2", "qwen3"):
+    start = int(cfg.get("max_window_layers", 0))
+    types = ["sliding_attention" if window and i >= start else "full_attention"
+             for i in range(n)]
+  elif types is None:
+    types = ["sliding_attention" if window else "full_attention"] * n
+  local = [t == "sliding_attention" for t in types]
+  if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+    raise HFError(f"layer_types {types}: zerojax has sliding_attention and full_attention "
+                  f"layers, one per layer ({n})")
+  if not any(local) or not window:
+    return 0, 0
+  if all(local):
+    return int(window), 0
+  P = local.index(False) + 1  # Every P-th layer global (Gemma 3's pattern), or refused.
+  if local != [(i + 1) % P != 0 for i in range(n)]:
+    raise HFError(f"layer_types {types}: zerojax has every layer local, or every P-th "
+                  "global and the others local")
+  return int(window), P
+
+
 def config_overrides(folder: str) -> dict[str, Any]:
-  """The zerojax `model.*` values (the schema's names) of a HF Llama folder.
+  """The zerojax `model.*` values (the schema's names) of a HF folder of any family.
 
   Reads both RoPE conventions: `rope_theta` / `rope_scaling` at the top level
-  (transformers 4.x) and `rope_parameters: {rope_theta, rope_type, factor, ...}`
-  (newer). Only 'default' and 'llama3' RoPE types exist in our model.
+  (transformers 4.x, and Gemma 3's `rope_local_base_freq`) and `rope_parameters:
+  {rope_theta, rope_type, factor, ...}` (newer; Gemma 3's per layer type). RoPE types:
+  'default', 'llama3' and 'linear'.
 
   Returns:
     {key: value} for every key of `MODEL_KEYS`; without scaling the factor is 0.0 and
-    the other three RoPE keys keep the schema's defaults.
+    the other RoPE-scaling keys keep the schema's defaults.
 
   Raises:
-    HFError: a missing key, or a feature our Llama lacks (biases, another head_dim,
-      another activation or RoPE type).
+    HFError: a missing key, or a feature the decoder lacks (named by its field: an
+      o_proj or MLP bias, another activation, RoPE type or layer pattern, softcapping).
   """
   raw, path = read_config(folder), os.path.join(folder, "config.json")
+  fam, cfg = family(raw, path), _text_config(raw)
 
-  def need(key, where=raw):
+  def need(key, where=cfg):
     if key not in where:
       raise HFError(f"has no {key!r}", path=path)
     return where[key]
 
   heads = int(need("num_attention_heads"))
   d_model = int(need("hidden_size"))
+  act = cfg.get("hidden_activation") if fam == "gemma3" else None
+  act = act or cfg.get("hidden_act", "silu")
   unsupported = [
-      (raw.get("hidden_act", "silu") != "silu", f"hidden_act {raw.get('hidden_act')!r}"),
-      (bool(raw.get("attention_bias")), "attention_bias true"),
-      (bool(raw.get("mlp_bias")), "mlp_bias true"),
-      (raw.get("head_dim") not in (None, d_model // heads),
-       f"head_dim {raw.get('head_dim')} != hidden_size / num_attention_heads")]
+      (act not in _ACTIVATIONS, f"hidden_act {act!r}"),
+      (bool(cfg.get("attention_bias")), "attention_bias true (an o_proj bias)"),
+      (bool(cfg.get("mlp_bias")), "mlp_bias true"),
+      (cfg.get("partial_rotary_factor", 1.0) != 1.0, "partial_rotary_factor"),
+      (cfg.get("final_logit_softcapping") is not None, "final_logit_softcapping"),
+      (cfg.get("attn_logit_softcapping") is not None, "attn_logit_softcapping"),
+      (bool(cfg.get("use_bidirectional_attention")), "use_bidirectional_attention true")]
   for bad, what in unsupported:
     if bad:
-      raise HFError(f"{what}: zerojax's Llama does not have this", path=path)
-  # Newer transformers: everything in rope_parameters; older: top-level keys.
-  rope = raw.get("rope_parameters") or {}
-  theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))  # HF's default base.
-  scaling = raw.get("rope_scaling") or rope
+      raise HFError(f"{what}: zerojax's decoder does not have this", path=path)
+  try:
+    window, pattern = _layer_kinds(fam, cfg, need)
+  except HFError as e:
+    raise HFError(e.args[0], path=path) from None
+  # Newer transformers: everything in rope_parameters (Gemma 3: one per layer type);
+  # older: top-level keys.
+  rope = cfg.get("rope_parameters") or {}
+  local_theta = 0.0
+  if fam == "gemma3":
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+      raise HFError(f"rope_parameters.sliding_attention rope_type {local['rope_type']!r}: "
+                    "zerojax's local layers have the 'default' RoPE", path=path)
+    local_theta = float(local.get("rope_theta", cfg["rope_local_base_freq"]))
+    rope = rope.get("full_attention", rope)
+  theta = rope.get("rope_theta", cfg.get("rope_theta"))
+  scaling = cfg.get("rope_scaling") or rope
   kind = scaling.get("rope_type", scaling.get("type", "default"))
+  head_dim = int(cfg.get("head_dim") or d_model // heads)
   out = dict(vocab_size=int(need("vocab_size")), d_model=d_model,
              d_ff=int(need("intermediate_size")), n_layers=int(need("num_hidden_layers")),
-             n_heads=heads, n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+             n_heads=heads, n_kv_heads=int(cfg.get("num_key_value_heads") or heads),
              rope_theta=float(theta), rope_scaling_factor=0.0, rope_low_freq_factor=1.0,
              rope_high_freq_factor=4.0, rope_original_context=8192,
-             norm_eps=float(raw.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig's defaults.
-             tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
+             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # HF's configs' defaults.
+             tie_embeddings=bool(cfg["tie_word_embeddings"]), family=fam,
+             head_size=0 if head_dim == d_model // heads else head_dim,
+             qkv_bias=fam == "qwen2", qk_norm=fam in ("qwen3", "gemma3"),
+             norm_offset=1.0 if fam == "gemma3" else 0.0, scale_embeddings=fam == "gemma3",
+             hidden_act=_ACTIVATIONS[act], post_norms=fam == "gemma3",
+             query_pre_attn_scalar=int(cfg["query_pre_attn_scalar"]) if fam == "gemma3"
+             else 0, sliding_window=window, sliding_window_pattern=pattern,
+             rope_local_theta=local_theta, rope_scaling_type="llama3")
   if kind == "llama3":
     out.update(rope_scaling_factor=float(need("factor", scaling)),
                rope_low_freq_factor=float(need("low_freq_factor", scaling)),
                rope_high_freq_factor=float(need("high_freq_factor", scaling)),
                rope_original_context=int(need("original_max_position_embeddings", scaling)))
+  elif kind == "linear":
+    out.update(rope_scaling_factor=float(need("factor", scaling)), rope_scaling_type="linear")
   elif kind != "default":
-    raise HFError(f"RoPE type {kind!r}: zerojax's Llama has 'default' and 'llama3' only",
-                  path=path)
+    raise HFError(f"RoPE type {kind!r}: zerojax's decoder has 'default', 'llama3' and "
+                  "'linear' only", path=path)
   return out
 
 
@@ -182,10 +306,13 @@ def check_config(folder: str, model: Any) -> None:
     model: the config's `model` section (ConfigDict or dict with the schema's keys).
   """
   if model["name"] != "llama":
-    raise HFError(f"model.name is {model['name']!r}, the folder holds a Llama", path=folder,
+    raise HFError(f"model.name is {model['name']!r}, the folder holds a decoder (family "
+                  f"{config_overrides(folder)['family']!r})", path=folder,
                   fix="set --config.model.name=llama")
   hf = config_overrides(folder)
-  keys = [k for k in MODEL_KEYS if k not in _ROPE_KEYS or hf["rope_scaling_factor"]]
+  llama3 = hf["rope_scaling_factor"] and hf["rope_scaling_type"] == "llama3"
+  keys = [k for k in MODEL_KEYS if (k not in _ROPE_KEYS or llama3) and (
+      k != "rope_scaling_type" or hf["rope_scaling_factor"])]
   differ = [k for k in keys if (float(model[k]) != float(hf[k]) if isinstance(hf[k], float)
                                 else model[k] != hf[k])]
   if differ:
@@ -212,18 +339,32 @@ def seq_len_warning(folder: str, seq_len: int) -> str | None:
           f"--config.train.seq_len={limit} or less)")
 
 
-def _expected(c: LlamaConfig) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
+def text_prefix(names: Any) -> str:
+  """Where the decoder's tensors are among tensor `names`: 'model.' (a causal LM), or a
+  `Gemma3ForConditionalGeneration`'s text tower, 'model.language_model.' (transformers
+  5) or 'language_model.model.' (the published files)."""
+  for prefix in ("model.language_model.", "language_model.model."):
+    if any(n.startswith(prefix) for n in names):
+      return prefix
+  return "model."
+
+
+def _expected(c: LlamaConfig, prefix: str = "model."
+              ) -> dict[tuple, tuple[str, bool, tuple, tuple]]:
   """{our leaf path: (HF name template, transposed, HF tensor shape, our leaf shape)}.
 
-  In HF's order. Tied, there is no head: HF files usually omit lm_head.weight.
+  In HF's order, names under `prefix` (`text_prefix`). Tied, there is no head: HF
+  files usually omit lm_head.weight.
   """
   ours = param_shapes(c)
   assert ours.keys() <= _HF_NAMES.keys(), sorted(ours.keys() - _HF_NAMES.keys())
+  head = "language_model." if prefix == "language_model.model." else ""
   out = {}
   for path, (name, transposed) in _HF_NAMES.items():
     if path in ours:
       shape = ours[path][0]
       one = shape[1:] if path[0] == "layers" else shape  # One layer's tensor.
+      name = prefix + name[len("model."):] if name.startswith("model.") else head + name
       out[path] = (name, transposed, one[::-1] if transposed else one, shape)
   return out
 
@@ -240,10 +381,11 @@ def _leaves(tree: PyTree, expected: dict, what: str) -> dict[tuple, Any]:
   return leaves
 
 
-def _check_tensors(folder: str, c: LlamaConfig, tensors: dict) -> None:
-  """Every expected tensor present with its shape, none unexpected; errors name files."""
+def _check_tensors(folder: str, c: LlamaConfig, tensors: dict, prefix: str) -> None:
+  """Every expected tensor present with its shape, none unexpected (a multimodal
+  checkpoint's tensors outside its text tower `prefix` are not read); errors name files."""
   expected = {}
-  for path, (name, _, shape, _) in _expected(c).items():
+  for path, (name, _, shape, _) in _expected(c, prefix).items():
     for i in range(c.n_layers) if path[0] == "layers" else [None]:
       expected[name.format(i=i)] = shape
   index = os.path.join(folder, INDEX)
@@ -252,17 +394,19 @@ def _check_tensors(folder: str, c: LlamaConfig, tensors: dict) -> None:
   for name, shape in expected.items():
     if name not in tensors:
       raise HFError(f"missing tensor {name} (shape {shape})", path=where(name),
-                    fix="the download is incomplete, or it is not a Llama checkpoint")
+                    fix="the download is incomplete, or config.json does not describe it")
     if tuple(tensors[name][2]) != shape:
       raise HFError(f"tensor {name} has shape {tensors[name][2]}, config.json implies {shape}",
                     path=where(name))
   # HF buffers that are not parameters; a tied head may be saved anyway (it is ignored).
+  tower = prefix != "model."
   ignored = lambda n: (n.endswith("rotary_emb.inv_freq")
-                       or (n == "lm_head.weight" and c.tie_embeddings))
+                       or (n.endswith("lm_head.weight") and c.tie_embeddings)
+                       or (tower and not n.startswith(prefix) and not n.endswith("lm_head.weight")))
   extra = sorted(n for n in tensors if n not in expected and not ignored(n))
   if extra:
     raise HFError(f"unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)"
-                  if len(extra) > 1 else "") + ": not part of a Llama with this config.json",
+                  if len(extra) > 1 else "") + ": not part of a model with this config.json",
                   path=where(extra[0]))
 
 
@@ -294,7 +438,7 @@ def _read_block(files, tensors, template: str, transposed: bool, stacked: bool,
 
 
 def load_params(folder: str, target: Any) -> PyTree:
-  """Reads a HF Llama's weights straight onto the mesh, each device its own block.
+  """Reads a HF checkpoint's weights straight onto the mesh, each device its own block.
 
   Args:
     folder: a HF folder (config.json + model.safetensors, or sharded files with
@@ -316,8 +460,9 @@ def load_params(folder: str, target: Any) -> PyTree:
                           target.params, target.param_shardings)
   c = llama_config(folder)
   tensors = tensor_index(folder)
-  _check_tensors(folder, c, tensors)
-  expected = _expected(c)
+  prefix = text_prefix(tensors)
+  _check_tensors(folder, c, tensors, prefix)
+  expected = _expected(c, prefix)
   try:
     _leaves(target, expected, "model")
   except ValueError as e:
@@ -356,23 +501,52 @@ def load_params(folder: str, target: Any) -> PyTree:
 # ------------------------------------------------------------------------------ export
 
 
+# family -> (architectures entry, model_type) that export writes.
+_CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3"), "mistral": ("MistralForCausalLM", "mistral"),
+            "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+assert set(_CLASSES) == set(FAMILIES)
+
+
 def hf_config(c: LlamaConfig, dtype: str, max_position_embeddings: int | None = None) -> dict:
-  """config.json of a LlamaForCausalLM with `c`'s shape, in transformers' standard layout."""
+  """config.json of `c`'s family (`_CLASSES`) with `c`'s shape, in transformers' standard
+  layout (top-level rope_theta / rope_scaling, explicit layer_types)."""
   s = c.rope_scaling
-  scaling = None if s is None else {**dict(s), "rope_type": "llama3"}
+  scaling = None if s is None else {**dict(s), "rope_type": s.get("rope_type", "llama3")}
   if max_position_embeddings is None:  # Unknown to zerojax: Llama 3.1-3.3's 128K if scaled.
     max_position_embeddings = 131072 if s else 8192
-  return {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  architecture, model_type = _CLASSES[c.family]
+  act = {v: k for k, v in _ACTIVATIONS.items()}[c.hidden_act]
+  out = {
+      "architectures": [architecture], "model_type": model_type,
       "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
       "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-      "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+      "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": act,
       "max_position_embeddings": max_position_embeddings, "rms_norm_eps": c.norm_eps,
       "rope_theta": c.rope_theta, "rope_scaling": scaling,
       "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
       "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
       "use_cache": True, "torch_dtype": str(np.dtype(dtype)),
   }
+  if c.family == "llama":
+    return out
+  del out["mlp_bias"], out["pretraining_tp"]
+  W = c.sliding_window
+  kinds = ["sliding_attention" if local else "full_attention" for local in c.local_layers]
+  if c.family in ("qwen2", "qwen3"):
+    out.update(use_sliding_window=bool(W), sliding_window=W or None, layer_types=kinds,
+               max_window_layers=kinds.index("sliding_attention") if W else c.n_layers)
+  if c.family == "qwen2":
+    del out["attention_bias"]  # Qwen2's q/k/v biases are always there.
+  if c.family == "mistral":
+    out.update(sliding_window=W or None)
+  if c.family == "gemma3":
+    del out["hidden_act"]
+    out.update(hidden_activation=act, query_pre_attn_scalar=c.query_pre_attn_scalar or c.head_dim,
+               sliding_window=W or None, layer_types=kinds,
+               rope_local_base_freq=c.rope_local_theta or c.rope_theta,
+               final_logit_softcapping=None, attn_logit_softcapping=None)
+  return out
 
 
 _take = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False))
@@ -393,7 +567,8 @@ def _fetch(x: jax.Array, layer: int | None) -> np.ndarray:
 def save_params(params: PyTree, config: LlamaConfig, folder: str, *, dtype: Any = None,
                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                 max_position_embeddings: int | None = None) -> list[str]:
-  """Writes params as a HF Llama folder: config.json + safetensors (+ index if split).
+  """Writes params as a HF folder of the config's family: config.json + safetensors (+ index
+  if split).
 
   Args:
     params: the Llama param tree (or a `TrainState`), any sharding or stage; every
