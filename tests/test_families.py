@@ -139,7 +139,8 @@ def test_a_few_steps_lower_the_loss(ckpt):
   """SGD on one batch through the remat layer loop (`scan_layers`), as the train step
   runs it. Gemma 3's stack mixes local and global layers (its carry holds the layer
   index): there the first gradient is also the unrematerialized loop's (nn.scan) within
-  1e-5 of each leaf's norm. Not Mistral (Llama's block with a window, whose gradient
+  1e-5 of each leaf's norm, and `layered()` (gradient release's layer-by-layer form)
+  composes to the same loss. Not Mistral (Llama's block with a window, whose gradient
   the kernel tests check) nor the multimodal text tower (gemma3's model)."""
   batch = {"tokens": jnp.asarray(np.random.default_rng(1).integers(0, V, (2, 17)))}
   model, params = ckpt.model, ckpt.params
@@ -153,6 +154,15 @@ def test_a_few_steps_lower_the_loss(ckpt):
       want = jax.jit(jax.grad(plain.loss))(params, batch)
       for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
         assert np.linalg.norm(g - w) <= 1e-5 * np.linalg.norm(w) + 1e-12
+      parts, rest = model.layered(), {k: v for k, v in params.items() if k != "layers"}
+
+      def layered(params):
+        x = parts.embed(rest, batch)
+        for j in range(model.config.n_layers):
+          x = parts.layer(jax.tree.map(lambda a: a[j], params["layers"]), x, batch)
+        return parts.head_loss(rest, x, batch)
+
+      assert abs(float(jax.jit(layered)(params)) - losses[0]) < 1e-5
     params = jax.tree.map(lambda p, g: p - 0.3 * g, params, grads)
   assert losses[-1] < losses[0] - 0.05, losses
 
@@ -272,6 +282,18 @@ def test_a_config_file_builds_each_family_from_its_keys():
                              rtol=1e-6)
   np.testing.assert_allclose(llama.rope_frequencies(c, local=True),
                              1 / 100.0 ** (np.arange(8) / 8), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "gemma3"])
+def test_each_family_quick_start_config_is_its_family(tmp_path, family):
+  """configs/<family>_tiny.py builds the family's decoder, and the config.json export
+  writes for it reads back as the same model keys (what train.py's init_from checks)."""
+  config = load_config(os.path.join(REPO, "configs", f"{family}_tiny.py"))
+  c = from_config(config).config
+  assert c.family == family
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(hf.hf_config(c, "float32"), f)
+  hf.check_config(str(tmp_path), config.model)  # Raises listing any key that differs.
 
 
 def _qwen3_folder(folder, **changes):

@@ -106,8 +106,8 @@ def _from_workdir(args) -> tuple[Any, Any, Any, Any, Any, set]:
 def _from_hf(args) -> tuple[Any, Any, Any, Any, Any, set]:
   """(model, plan, params, data section, tokenizer, end ids) of a Hugging Face folder."""
   raw = hf.read_config(args.hf)
-  model = LlamaLM(hf.llama_config(args.hf, param_dtype=jnp.dtype(raw.get("torch_dtype",
-                                                                         "bfloat16")),
+  dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"  # transformers 5: dtype.
+  model = LlamaLM(hf.llama_config(args.hf, param_dtype=jnp.dtype(dtype),
                                   compute_dtype=jnp.dtype(args.compute_dtype)))
   path = os.path.join(args.hf, "tokenizer.json")
   if not os.path.isfile(path):
