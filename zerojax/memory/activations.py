@@ -19,14 +19,14 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   offload also 'saved activations (host)', the layers' share kept in host memory."""
   pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
   D, F, L, V, T, b = s.d_model, s.d_ff, s.n_layers, s.vocab_size, s.seq_len, s.batch
-  H, kv = s.n_heads, s.n_kv_heads * (s.d_model // s.n_heads)
+  H, kv = s.n_heads, s.n_kv_heads * s.head_dim
   local = s.positions  # T, or T / fsdp with sequence parallelism.
   n = b * local
   # Saved for the backward pass, per layer and token:
   if s.model == "mlp_lm":  # Rough: not calibrated.
     width = {"full": D, "dots": 2 * D + F, "none": (s.context + 4) * D + 3 * F}[remat]
   elif remat_policies.SAVED.get(remat) is not None:  # The layer input and the named values.
-    width = D + remat_policies.saved_width(remat, D, H * (D // H), kv, F)
+    width = D + remat_policies.saved_width(remat, D, H * s.head_dim, kv, F)
   else:  # none: also the norms' fp32 inputs and outputs (4 D of 4 bytes = 8 D of 2).
     width = {"dots": 3 * D + 2 * kv + 2 * F, "none": 3 * D + 2 * kv + 6 * F + 8 * D}[remat]
   saved, host = L * n * width * cb, 0
@@ -82,7 +82,7 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
   d_model / 2).
   """
   cb, T, b, D, F = DTYPE_BYTES[s.compute_dtype], s.seq_len, s.batch, s.d_model, s.d_ff
-  Dh = s.d_model // s.n_heads
+  Dh = s.head_dim
   heads, kv = ((s.n_heads // s.fsdp, kv_width(s)) if s.sequence_parallel
                else (s.n_heads, s.n_kv_heads * Dh))
   q, n = heads * Dh, b * s.positions
@@ -100,7 +100,7 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
 def kv_width(s: RunSpec) -> int:
   """K/V values per position a device attends with under sequence parallelism: its share
   of the KV heads after their repeats (`ulysses.kv_repeats`)."""
-  Dh = s.d_model // s.n_heads
+  Dh = s.head_dim
   return s.n_kv_heads * ulysses.kv_repeats(s.n_heads, s.n_kv_heads, s.fsdp) // s.fsdp * Dh
 
 
@@ -110,5 +110,5 @@ def all_to_all_bytes(s: RunSpec, remat: str) -> int:
   if not s.sequence_parallel:
     return 0
   return ulysses.all_to_all_bytes(s.batch * s.microbatches, s.seq_len, s.fsdp, s.n_heads,
-                                  s.n_kv_heads, s.d_model // s.n_heads,
+                                  s.n_kv_heads, s.head_dim,
                                   DTYPE_BYTES[s.compute_dtype], remat)

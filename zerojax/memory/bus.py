@@ -55,7 +55,8 @@ def step_flops(s: RunSpec) -> tuple[float, float]:
   else:
     model = llama.LlamaLM(llama.LlamaConfig(
         vocab_size=s.vocab_size, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads,
-        n_kv_heads=s.n_kv_heads, d_ff=s.d_ff, tie_embeddings=s.tie_embeddings))
+        n_kv_heads=s.n_kv_heads, d_ff=s.d_ff, tie_embeddings=s.tie_embeddings,
+        head_size=s.head_size))
   per_token = model.flops_per_token(T)
   layers = per_token - 6.0 * s.d_model * s.vocab_size  # Less the head.
   remat = "full" if s.release else s.remat

@@ -62,6 +62,9 @@ class RunSpec:
   # Devices a host (node) holds, for host memory per node: a --target's per-host count;
   # 0: all the run's devices, in nodes of at most `DEVICES_PER_NODE` (the common 8-GPU node).
   per_host: int = 0
+  # The attention heads' width Dh (a family's explicit `model.head_size`, Qwen3 or Gemma 3);
+  # 0: d_model / n_heads.
+  head_size: int = 0
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -86,11 +89,17 @@ class RunSpec:
         # Keys newer than some configs: read with their defaults.
         mlp_chunk=int(m.get("mlp_chunk", 0)),
         activation_offload=m.get("activation_offload", "none") == "host",
-        param_offload=config.zero.get("param_offload", "none") == "host")
+        param_offload=config.zero.get("param_offload", "none") == "host",
+        head_size=int(m.get("head_size", 0)) if m.name == "llama" else 0)
 
   @property
   def devices(self) -> int:
     return self.data * self.fsdp
+
+  @property
+  def head_dim(self) -> int:
+    """Dh: `head_size`, else d_model / n_heads (as `LlamaConfig.head_dim`)."""
+    return self.head_size or self.d_model // self.n_heads
 
   @property
   def per_node(self) -> int:
