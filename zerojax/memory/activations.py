@@ -19,16 +19,20 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   offload also 'saved activations (host)', the layers' share kept in host memory."""
   pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
   D, F, L, V, T, b = s.d_model, s.d_ff, s.n_layers, s.vocab_size, s.seq_len, s.batch
-  H, kv = s.n_heads, s.n_kv_heads * s.head_dim
+  H, q, kv = s.n_heads, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
   local = s.positions  # T, or T / fsdp with sequence parallelism.
   n = b * local
   # Saved for the backward pass, per layer and token:
   if s.model == "mlp_lm":  # Rough: not calibrated.
     width = {"full": D, "dots": 2 * D + F, "none": (s.context + 4) * D + 3 * F}[remat]
   elif remat_policies.SAVED.get(remat) is not None:  # The layer input and the named values.
-    width = D + remat_policies.saved_width(remat, D, H * s.head_dim, kv, F)
-  else:  # none: also the norms' fp32 inputs and outputs (4 D of 4 bytes = 8 D of 2).
-    width = {"dots": 3 * D + 2 * kv + 2 * F, "none": 3 * D + 2 * kv + 6 * F + 8 * D}[remat]
+    width = D + remat_policies.saved_width(remat, D, q, kv, F)
+  else:  # The input, q, k, v, o, gate and up (and down, normed with post_norms); none:
+    # also the norms' fp32 inputs and outputs (4 D of 4 bytes = 8 D of 2). q is D wide
+    # unless a family sets head_size.
+    down = D if s.post_norms else 0
+    width = {"dots": 2 * D + q + 2 * kv + 2 * F + down,
+             "none": 2 * D + q + 2 * kv + 6 * F + 8 * D + down}[remat]
   saved, host = L * n * width * cb, 0
   if s.activation_offload:  # The layer in use and the one prefetched stay on the device.
     host, saved = saved, min(L, 2) * n * width * cb

@@ -65,6 +65,9 @@ class RunSpec:
   # The attention heads' width Dh (a family's explicit `model.head_size`, Qwen3 or Gemma 3);
   # 0: d_model / n_heads.
   head_size: int = 0
+  # Norms on each sublayer's output (model.post_norms, Gemma): remat 'dots' then also
+  # saves the down projection's output, the input of the norm after it.
+  post_norms: bool = False
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -90,7 +93,8 @@ class RunSpec:
         mlp_chunk=int(m.get("mlp_chunk", 0)),
         activation_offload=m.get("activation_offload", "none") == "host",
         param_offload=config.zero.get("param_offload", "none") == "host",
-        head_size=int(m.get("head_size", 0)) if m.name == "llama" else 0)
+        head_size=int(m.get("head_size", 0)) if m.name == "llama" else 0,
+        post_norms=bool(m.get("post_norms", False)) and m.name == "llama")
 
   @property
   def devices(self) -> int:
