@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 
 import zerojax
 from zerojax import generate, hf, sequence
-from zerojax.config import load_config
+from zerojax.config import ConfigError, load_config
 from zerojax.models import attention, from_config, llama
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -294,6 +294,20 @@ def test_each_family_quick_start_config_is_its_family(tmp_path, family):
   with open(tmp_path / "config.json", "w") as f:
     json.dump(hf.hf_config(c, "float32"), f)
   hf.check_config(str(tmp_path), config.model)  # Raises listing any key that differs.
+
+
+def test_head_size_is_checked_by_the_config_rules():
+  """An explicit head size frees d_model from n_heads (Gemma 3 4B: 2560 = 8 heads of 256
+  is not its split) but must be even; a family key set on mlp_lm is refused."""
+  base = os.path.join(REPO, "configs", "base.py")
+  load_config(base, ["model.d_model=100", "model.n_heads=3", "model.n_kv_heads=1",
+                     "model.head_size=64"])
+  with pytest.raises(ConfigError, match="model.head_size"):
+    load_config(base, ["model.head_size=63"])
+  with pytest.raises(ConfigError, match="model.d_model"):
+    load_config(base, ["model.d_model=100", "model.n_heads=3", "model.n_kv_heads=1"])
+  with pytest.raises(ConfigError, match="model.sliding_window"):
+    load_config(base, ["model.name=mlp_lm", "model.sliding_window=8"])
 
 
 def _qwen3_folder(folder, **changes):
