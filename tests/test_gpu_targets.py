@@ -6,7 +6,6 @@ matrix compiles configs/tiny.py (and configs/sft_tiny.py) for 8 x H100; each cas
 checks what its recipe promises in the compiled module.
 """
 
-import functools
 import json
 import math
 import os
@@ -65,25 +64,28 @@ MATRIX = {
 
 
 def compile_config(name, overrides, target, devices=None):
-  """(config, built, compiled) of configs/`name`.py with `overrides` for `target`. Each
-  (name, overrides, target) on the default devices compiles once a session: the matrix
-  and the tests after it read the same programs (callers must not change what they get)."""
-  if devices is None:
-    return _compiled(name, tuple(overrides), target)
-  return _compile(name, overrides, target, devices)
-
-
-def _compile(name, overrides, target, devices):
+  """(config, built, compiled) of configs/`name`.py with `overrides` for `target`. On the
+  default devices each distinct config compiles once a session for a target, whatever
+  overrides spelled it (configs/tiny.py's remat is 'dots': remat-dots is stage3): the
+  matrix and the tests after it read the same programs (callers must not change what
+  they get)."""
   spec = targets.parse(target)
   config = load_config(os.path.join(ROOT, "configs", f"{name}.py"),
                        [f"--config.{o}" for o in overrides], num_devices=spec.devices)
+  if devices is not None:
+    return _compile(config, spec, devices)
+  key = (config.to_json(), target)
+  if key not in _COMPILED:
+    _COMPILED[key] = _compile(config, spec, None)
+  return _COMPILED[key]
+
+
+_COMPILED = {}  # (config as JSON, target) -> (config, built, compiled), for the session.
+
+
+def _compile(config, spec, devices):
   built = build.build(config, devices)
   return config, built, gpu_compile.compile_step(built, config, spec)
-
-
-@functools.cache
-def _compiled(name, overrides, target):
-  return _compile(name, overrides, target, None)
 
 
 def reductions(text):
