@@ -296,6 +296,21 @@ def test_each_family_quick_start_config_is_its_family(tmp_path, family):
   hf.check_config(str(tmp_path), config.model)  # Raises listing any key that differs.
 
 
+def test_the_qwen25_72b_recipe_is_the_published_config_json(tmp_path):
+  """configs/qwen25_72b_8x80gb.py passes init_from's check against Qwen2.5-72B's
+  config.json (its published keys, written here) and has its 72.71B parameters."""
+  config = load_config(os.path.join(REPO, "configs", "qwen25_72b_8x80gb.py"))
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+               "hidden_size": 8192, "intermediate_size": 29568, "max_window_layers": 80,
+               "model_type": "qwen2", "num_attention_heads": 64, "num_hidden_layers": 80,
+               "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+               "sliding_window": 131072, "tie_word_embeddings": False,
+               "use_sliding_window": False, "vocab_size": 152064}, f)
+  hf.check_config(str(tmp_path), config.model)
+  assert round(llama.param_count(from_config(config).config) / 1e9, 2) == 72.71
+
+
 def test_head_size_is_checked_by_the_config_rules():
   """An explicit head size frees d_model from n_heads (Gemma 3 4B: 2560 = 8 heads of 256
   is not its split) but must be even; a family key set on mlp_lm is refused."""
