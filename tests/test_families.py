@@ -296,19 +296,31 @@ def test_each_family_quick_start_config_is_its_family(tmp_path, family):
   hf.check_config(str(tmp_path), config.model)  # Raises listing any key that differs.
 
 
-def test_the_qwen25_72b_recipe_is_the_published_config_json(tmp_path):
-  """configs/qwen25_72b_8x80gb.py passes init_from's check against Qwen2.5-72B's
-  config.json (its published keys, written here) and has its 72.71B parameters."""
-  config = load_config(os.path.join(REPO, "configs", "qwen25_72b_8x80gb.py"))
+# Published config.json files (their keys, as the model repositories have them).
+QWEN25_72B = {"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 8192,
+              "intermediate_size": 29568, "max_window_layers": 80, "model_type": "qwen2",
+              "num_attention_heads": 64, "num_hidden_layers": 80, "num_key_value_heads": 8,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+              "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 152064}
+GEMMA3_27B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                              "model_type": "gemma3_text", "num_attention_heads": 32,
+                              "num_hidden_layers": 62, "num_key_value_heads": 16,
+                              "query_pre_attn_scalar": 168, "sliding_window": 1024,
+                              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+              "vision_config": {"model_type": "siglip_vision_model"}}
+
+
+@pytest.mark.parametrize("recipe,published,billions", [
+    ("qwen25_72b_8x80gb.py", QWEN25_72B, 72.71), ("gemma3_27b_4x80gb.py", GEMMA3_27B, 27.01)])
+def test_a_real_size_recipe_is_its_published_config_json(tmp_path, recipe, published, billions):
+  """The recipe passes init_from's check against the model's config.json (a multimodal
+  Gemma 3's text_config over Gemma3TextConfig's defaults) and has its parameters."""
+  config = load_config(os.path.join(REPO, "configs", recipe))
   with open(tmp_path / "config.json", "w") as f:
-    json.dump({"architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
-               "hidden_size": 8192, "intermediate_size": 29568, "max_window_layers": 80,
-               "model_type": "qwen2", "num_attention_heads": 64, "num_hidden_layers": 80,
-               "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-               "sliding_window": 131072, "tie_word_embeddings": False,
-               "use_sliding_window": False, "vocab_size": 152064}, f)
+    json.dump(published, f)
   hf.check_config(str(tmp_path), config.model)
-  assert round(llama.param_count(from_config(config).config) / 1e9, 2) == 72.71
+  assert round(llama.param_count(from_config(config).config) / 1e9, 2) == billions
 
 
 def test_head_size_is_checked_by_the_config_rules():
