@@ -57,12 +57,15 @@ def relative(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
+# Each case a combination no other case covers: both models (Llama untied and tied),
+# both optimizers and update rules, fp32 (1e-6) and bf16 (one ulp), 1 x 8 and 2 x 4.
+# Two cases were dropped as covered: MlpLM / AdamW / Kahan in fp32 (by the same in bf16
+# and by the fp32 Kahan cases of Llama) and Llama / AdamW / nearest in fp32 (by MlpLM /
+# AdamW / nearest in fp32 and Llama's other fp32 cases).
 @pytest.mark.parametrize("model_name, name, rule, mesh_shape, dtype, lr", [
     ("mlp_lm", "adamw", "nearest", (1, 8), "float32", 1e-2),
     ("mlp_lm", "lion", "nearest", (2, 4), "float32", 1e-3),
-    ("mlp_lm", "adamw", "kahan", (1, 8), "float32", 1e-2),
     ("mlp_lm", "adamw", "kahan", (1, 8), "bfloat16", 1e-2),
-    ("llama", "adamw", "nearest", (1, 8), "float32", 3e-3),
     ("llama_tied", "adamw", "kahan", (2, 4), "float32", 3e-3),
     ("llama", "lion", "kahan", (1, 8), "float32", 3e-4),
     ("llama", "adamw", "kahan", (1, 8), "bfloat16", 3e-3)])
