@@ -310,9 +310,24 @@ GEMMA3_27B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type":
                               "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
               "vision_config": {"model_type": "siglip_vision_model"}}
 
+QWEN3_32B = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
+             "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 25600,
+             "max_window_layers": 64, "model_type": "qwen3", "num_attention_heads": 64,
+             "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+             "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+             "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}
+MISTRAL_SMALL_24B = {"architectures": ["MistralForCausalLM"], "head_dim": 128,
+                     "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                     "model_type": "mistral", "num_attention_heads": 32,
+                     "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                     "rope_theta": 100000000.0, "sliding_window": None,
+                     "tie_word_embeddings": False, "vocab_size": 131072}
+
 
 @pytest.mark.parametrize("recipe,published,billions", [
-    ("qwen25_72b_8x80gb.py", QWEN25_72B, 72.71), ("gemma3_27b_4x80gb.py", GEMMA3_27B, 27.01)])
+    ("qwen25_72b_8x80gb.py", QWEN25_72B, 72.71), ("gemma3_27b_4x80gb.py", GEMMA3_27B, 27.01),
+    ("qwen3_32b_4x80gb.py", QWEN3_32B, 32.76),
+    ("mistral_small_24b_4x80gb.py", MISTRAL_SMALL_24B, 23.57)])
 def test_a_real_size_recipe_is_its_published_config_json(tmp_path, recipe, published, billions):
   """The recipe passes init_from's check against the model's config.json (a multimodal
   Gemma 3's text_config over Gemma3TextConfig's defaults) and has its parameters."""
