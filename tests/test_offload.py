@@ -2,6 +2,7 @@
 computes what the normal step computes, its state lives in the host memory space, the
 update moves one layer's state at a time, and checkpoints round-trip it."""
 
+import functools
 import json
 import math
 import re
@@ -48,8 +49,20 @@ def make_step(kind, plan, model, tx):
   return zerojax.make_train_step(plan, model.loss, tx, update_by_layer=kind == "by layer")
 
 
-def run(kind, plan, model, tx, data):
-  step = make_step(kind, plan, model, tx)
+@functools.cache
+def planned_step(kind, stage, offload):
+  """(model, tx, plan, compiled step) of the Kahan AdamW MlpLM for batches of 8 rows (16
+  with accumulation's 2 microbatches): compiled once, for every test that runs or reads
+  the same step (the equality, the compiled module's memory spaces, the checkpoint
+  round trip)."""
+  tx, model = tx_and_model()
+  plan = make(model, tx, stage, offload)
+  inputs = abstract_inputs(plan, batch=16 if kind == "release accumulation" else 8)
+  return model, tx, plan, make_step(kind, plan, model, tx).lower(*inputs).compile()
+
+
+def run(kind, stage, offload, data):
+  model, tx, plan, step = planned_step(kind, stage, offload)
   state = zerojax.init_state(plan, model.init, tx, jax.random.key(0))
   for batch in data:
     state, metrics = step(state, batch)
@@ -63,11 +76,10 @@ def test_offloaded_step_equals_the_normal_step(stage, kind):
   """3 steps of AdamW + Kahan in fp32: every param and state leaf within 1e-6 relative
   of the same step without offload, the offloaded leaves (mu, nu, Kahan buffer) in
   pinned host memory after every step and the step count on the device."""
-  tx, model = tx_and_model()
   data = batches(3, batch=16 if kind == "release accumulation" else 8)
-  normal, m_normal = run(kind, make(model, tx, stage), model, tx, data)
-  plan = make(model, tx, stage, offload=True)
-  offloaded, m_offloaded = run(kind, plan, model, tx, data)
+  normal, m_normal = run(kind, stage, False, data)
+  offloaded, m_offloaded = run(kind, stage, True, data)
+  plan = planned_step(kind, stage, True)[2]
   want = jax.tree_util.tree_leaves_with_path((normal.params, normal.opt_state))
   for (path, a), b in zip(want, jax.tree.leaves((offloaded.params, offloaded.opt_state)),
                           strict=True):
@@ -81,8 +93,8 @@ def test_offloaded_step_equals_the_normal_step(stage, kind):
     assert m_offloaded[key] == pytest.approx(m_normal[key], rel=1e-6), key
 
 
-def abstract_inputs(plan):
-  batch = jax.ShapeDtypeStruct((8, 17), np.int32,
+def abstract_inputs(plan, batch=8):
+  batch = jax.ShapeDtypeStruct((batch, 17), np.int32,
                                sharding=jax.sharding.NamedSharding(plan.mesh, plan.batch_spec))
   return zerojax.abstract_state(plan), {"tokens": batch}
 
@@ -166,12 +178,10 @@ def test_the_compiled_step_keeps_the_state_in_host_memory_space():
   XLA:CPU shows no more: its memory_analysis has no host bytes (host_* fields 0) and
   counts the host parameters among the device arguments, the same total with or without
   offload (the GPU benchmark measures the fall in device bytes)."""
-  tx, model = tx_and_model()
   stats = {}
   for offload in (False, True):
-    plan = make(model, tx, 3, offload=offload)
-    step = make_step("by layer", plan, model, tx)
-    compiled = step.lower(*abstract_inputs(plan)).compile()
+    # The program test_offloaded_step_equals_the_normal_step[3-by layer] ran.
+    _, _, plan, compiled = planned_step("by layer", 3, offload)
     layout = re.search(r"entry_computation_layout=\{(.*?)\}, allow_spmd", compiled.as_text())
     params, results = (re.findall(r"\w+\[[\d,]*\]\{[\d,]*(?::S\(5\))?\}", g)
                        for g in layout.group(1).split(")->("))
@@ -196,9 +206,7 @@ def test_checkpoint_round_trip_of_host_state_resumes_exactly(tmp_path):
   """orbax saves the host-memory state (checksums included) and restores it into host
   memory, and onto a plan without offload (device memory): 2 steps, save, 2 more from
   each restore equal 4 uninterrupted steps bit for bit."""
-  tx, model = tx_and_model()
-  plan = make(model, tx, 3, offload=True)
-  step = make_step("by layer", plan, model, tx)
+  model, tx, plan, step = planned_step("by layer", 3, True)
   data = batches(4)
   state = zerojax.init_state(plan, model.init, tx, jax.random.key(0))
   for batch in data[:2]:
@@ -215,8 +223,7 @@ def test_checkpoint_round_trip_of_host_state_resumes_exactly(tmp_path):
       "device"}
   for batch in data[2:]:
     state, _ = step(state, batch)
-  device_plan = make(model, tx, 3)
-  steps = {True: step, False: make_step("by layer", device_plan, model, tx)}
+  steps = {True: step, False: planned_step("by layer", 3, False)[3]}
   for offload, resumed in restored.items():
     for batch in data[2:]:
       resumed, _ = steps[offload](resumed, batch)
