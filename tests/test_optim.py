@@ -186,7 +186,10 @@ RECIPES = {  # (factory kwargs, optimizer bytes per param before sharding)
 }
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# Stages 1 and 3: stage 2 places params and optimizer state as stage 1 does (it differs
+# in the gradients, which are not arguments), so its bytes are stage 1's formula;
+# test_zero.test_argument_bytes_equal_zero_formula compiles stage 2 (AdamW, bf16).
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("recipe", sorted(RECIPES) + ["lion_kahan_bf16"])
 def test_optimizer_bytes_per_device_follow_formula(recipe, stage):
   """Per-device params + optimizer state from the compiled step: 2Ψ + KΨ/N, or (2+K)Ψ/N."""
