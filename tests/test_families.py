@@ -241,6 +241,14 @@ def test_windowed_attention_is_the_dense_masked_reference(qkv, kernel):
       np.testing.assert_allclose(g, w, atol=1e-5)
 
 
+def test_auto_attention_takes_cudnn_only_for_heads_it_runs_on_every_gpu():
+  """cuDNN's fused kernel takes heads of 256 only from Hopper on (an RTX 4090: 128), so
+  'auto' gives Gemma 3's heads of 256 the blocked loop; 128 (Gemma 3 27B) keeps cuDNN."""
+  pick = functools.partial(attention.attention_kernel, "auto", jnp.bfloat16, backend="gpu")
+  assert pick(head_dim=128) == "dot_product" and pick(head_dim=256) == "blocked"
+  assert pick() == "dot_product"  # Unknown width: as before.
+
+
 def test_windowed_ulysses_over_8_devices_is_the_reference(qkv):
   """The sequence split over 8 devices (slices of 4 positions, window 6 crosses them):
   Ulysses' all-to-alls around the windowed blocked kernel."""
@@ -323,11 +331,19 @@ MISTRAL_SMALL_24B = {"architectures": ["MistralForCausalLM"], "head_dim": 128,
                      "rope_theta": 100000000.0, "sliding_window": None,
                      "tie_word_embeddings": False, "vocab_size": 131072}
 
+QWEN3_8B = {**QWEN3_32B, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
+            "num_attention_heads": 32, "num_hidden_layers": 36}
+GEMMA3_12B = {**GEMMA3_27B, "text_config": {
+    "hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+    "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}}
+
 
 @pytest.mark.parametrize("recipe,published,billions", [
     ("qwen25_72b_8x80gb.py", QWEN25_72B, 72.71), ("gemma3_27b_4x80gb.py", GEMMA3_27B, 27.01),
     ("qwen3_32b_4x80gb.py", QWEN3_32B, 32.76),
-    ("mistral_small_24b_4x80gb.py", MISTRAL_SMALL_24B, 23.57)])
+    ("mistral_small_24b_4x80gb.py", MISTRAL_SMALL_24B, 23.57),
+    ("qwen3_8b_1x4090.py", QWEN3_8B, 8.19), ("gemma3_12b_1x4090.py", GEMMA3_12B, 11.77)])
 def test_a_real_size_recipe_is_its_published_config_json(tmp_path, recipe, published, billions):
   """The recipe passes init_from's check against the model's config.json (a multimodal
   Gemma 3's text_config over Gemma3TextConfig's defaults) and has its parameters."""

@@ -169,7 +169,9 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   data_lines = []
   if c.data.name == "sft":
     train_tokens, eval_tokens, data_lines = sft.load(c.data, c.model.vocab_size, c.train.seq_len)
-    if c.data.pack and attention_kernel(c.model.attention, c.precision.compute_dtype) != "blocked":
+    head_dim = c.model.head_size or c.model.d_model // c.model.n_heads
+    if c.data.pack and attention_kernel(c.model.attention, c.precision.compute_dtype,
+                                        head_dim=head_dim) != "blocked":
       data_lines.append("attention: dot_product with the packed examples' segment mask, which "
                         "cuDNN takes as a [B, 1, T, T] bias")
   else:

@@ -41,8 +41,9 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
   # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
   # picks on a GPU) keeps a block's worth, like the blocked loop.
-  kernel = attention_kernel(s.attention, s.compute_dtype)
-  fused = kernel == "dot_product" and attention_kernel("auto", s.compute_dtype) == kernel
+  kernel = attention_kernel(s.attention, s.compute_dtype, head_dim=s.head_dim)
+  fused = kernel == "dot_product" and attention_kernel(
+      "auto", s.compute_dtype, head_dim=s.head_dim) == kernel
   S = T if kernel == "dot_product" and not fused else min(s.attention_block, T)
   # The MLP's [.., d_ff] temporaries are for one chunk of positions (model.mlp_chunk).
   rows = b * min(s.mlp_chunk or local, local)

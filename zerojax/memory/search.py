@@ -174,7 +174,8 @@ def sequence_unit(s: RunSpec) -> int:
   devices a sequence is split over, and padding no attention block (blocked kernel), loss
   chunk or MLP chunk (the chunks run on a device's positions)."""
   f = s.fsdp if s.sequence_parallel else 1
-  block = s.attention_block if attention_kernel(s.attention, s.compute_dtype) == "blocked" else 1
+  blocked = attention_kernel(s.attention, s.compute_dtype, head_dim=s.head_dim) == "blocked"
+  block = s.attention_block if blocked else 1
   return math.lcm(f, block, f * s.loss_chunk, f * (s.mlp_chunk or 1))
 
 

@@ -103,14 +103,23 @@ _attend_blocks = jax.custom_vjp(lambda *args: _attend_blocks_fwd(*args)[0], nond
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
-def attention_kernel(attention: str, dtype: Any, backend: str | None = None) -> str:
-  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 (2-4x the
-  blocked loop's MFU on an H200, benchmarks/README.md), else the blocked loop (XLA's
-  dot_product materialises the T x T scores). Other names pass through."""
+# The widest heads cuDNN's fused attention takes on every GPU (jax's check: 256 from Hopper
+# on, 128 before, e.g. an RTX 4090): Gemma 3's heads of 256 run the blocked loop.
+CUDNN_HEAD_DIM = 128
+
+
+def attention_kernel(attention: str, dtype: Any, backend: str | None = None,
+                     head_dim: int | None = None) -> str:
+  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 with heads of
+  at most `CUDNN_HEAD_DIM` (None: not known, taken as such) (2-4x the blocked loop's MFU
+  on an H200, benchmarks/README.md), else the blocked loop (XLA's dot_product
+  materialises the T x T scores). Other names pass through."""
   if attention != "auto":
     return attention
   gpu = (backend or platform.backend()) == "gpu"
-  return "dot_product" if gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "blocked"
+  fits = head_dim is None or head_dim <= CUDNN_HEAD_DIM
+  low = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  return "dot_product" if gpu and low and fits else "blocked"
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,

@@ -310,7 +310,8 @@ class Attention(nn.Module):
           q, keys, values, positions)
     else:
       kernel = _by_layer(c, local, lambda m: functools.partial(
-          causal_attention, attention_kernel(c.attention, q.dtype), c.attention_block, mask=m))
+          causal_attention, attention_kernel(c.attention, q.dtype, head_dim=Dh), c.attention_block,
+          mask=m))
       out = (kernel(q, k, v, segment_ids) if c.sequence_axis is None else
              sequence.attention(q, k, v, segment_ids, c.sequence_axis, kernel))
     out = named(out.reshape(B, T, H * Dh), "attention_out")
