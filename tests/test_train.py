@@ -36,9 +36,10 @@ def train_env(**extra: str) -> dict[str, str]:
   return dict(fake_devices_env(8), **extra)
 
 
-def run_train(*args: str, timeout: float = 180,
+def run_train(*args: str, timeout: float = 600,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-  """Runs train.py on 8 fake CPU devices; the timeout turns a hung collective into a failure."""
+  """Runs train.py on 8 fake CPU devices; the timeout turns a hung collective into a failure
+  (600 s: a quick-start run took 249 s of wall with several pytest sessions on 2 cores)."""
   return subprocess.run([sys.executable, TRAIN, *args], cwd=REPO, env=env or train_env(),
                         capture_output=True, text=True, timeout=timeout)
 
