@@ -63,10 +63,10 @@ def _cache_dir(tmp_path_factory):
 # finishing together (xdist's own order is by test count: a 1-test, 2-minute file went
 # last). Files not listed follow, in pytest's order; an approximate list is fine.
 HEAVIEST_FIRST = (
-    "test_faults.py", "test_train.py", "test_gpu_targets.py", "test_multihost.py",
-    "test_release_train.py", "test_stage3_sweep.py", "test_param_offload.py", "test_zero.py",
-    "test_gpu_cli.py", "test_release.py", "test_sequence.py", "test_precision.py",
-    "test_offload.py", "test_llama.py", "test_activation_offload.py", "test_optim.py",
+    "test_gpu_targets.py", "test_multihost.py", "test_train.py", "test_faults.py",
+    "test_release_train.py", "test_param_offload.py", "test_zero.py", "test_gpu_cli.py",
+    "test_sequence.py", "test_release.py", "test_precision.py", "test_stage3_sweep.py",
+    "test_offload.py", "test_families.py", "test_activation_offload.py", "test_optim.py",
     "test_tiled_mlp.py", "test_memory.py", "test_checkpoint.py", "test_cli.py",
 )
 
