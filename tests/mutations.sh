@@ -64,4 +64,11 @@ mutate peer_watch_refusal zerojax/run/peers.py \
   "if not (lambda a, b: True)(proof, _proof(watch.secret, nonce, pid)):" \
   tests/test_protections.py::test_the_peer_watch_believes_only_a_hello_that_proves_the_secret \
   tests/test_multihost.py::test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process
+# Stage 3 on XLA:CPU (issue 30's abort): the head's gather no longer waits for the layer
+# loop's (zerojax.stage3.after does nothing): the sweep's first run aborts (exit -6: 9 s
+# and 72 s in two tries).
+mutate stage3_order zerojax/stage3.py \
+  "  deps = [d for d in jax.tree.leaves(deps) if d.size]" \
+  "  return tree" \
+  tests/test_stage3_sweep.py
 exit $status
