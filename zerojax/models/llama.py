@@ -372,9 +372,10 @@ def layer_rope(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Arr
   return tuple(jnp.stack(tables) for tables in zip(*both))
 
 
-def stack_input(config: LlamaConfig, x: jax.Array) -> Any:
-  """The layer loop's input for residual stream x: x, or (x, layer 0) (`Block`)."""
-  return (x, jnp.zeros((), jnp.float32)) if config.mixed_layers else x
+def stack_input(config: LlamaConfig, x: jax.Array, layer: int | jax.Array = 0) -> Any:
+  """The layer loop's input for residual stream x at `layer`: x, or (x, float32[] layer)
+  in a mixed stack (`Block`)."""
+  return (x, jnp.asarray(layer, jnp.float32)) if config.mixed_layers else x
 
 
 def stack_output(config: LlamaConfig, out: Any) -> jax.Array:
@@ -417,8 +418,8 @@ def extend(config: LlamaConfig, params: Params, tokens: jax.Array, positions: ja
     x, keys, values, rows = carry
     p = jax.lax.optimization_barrier(jax.tree.map(lambda r: r[i], rows))
     p = gather(jax.tree.map(lambda r, a: r.reshape(a.shape[1:]), p, params["layers"]))
-    h = (x, i.astype(jnp.float32)) if config.mixed_layers else x  # `Block`'s carry.
-    h, (k, v) = apply_block(config, p, h, cos, sin, cache=(keys[i], values[i], positions))
+    h, (k, v) = apply_block(config, p, stack_input(config, x, i), cos, sin,
+                            cache=(keys[i], values[i], positions))
     return stack_output(config, h), keys.at[i].set(k), values.at[i].set(v), rows
   rows = jax.tree.map(lambda a: a.reshape(len(a), -1), params["layers"])
   x, keys, values, _ = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache, rows))
