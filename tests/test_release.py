@@ -165,7 +165,7 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink, microb
 
   def compile_step(step):
     """(compiled, its buffer assignment, its temporaries alive at the peak)."""
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() as dump, xla_dump.compiled_afresh():
       compiled = step.lower(zerojax.abstract_state(plan), batch).compile(compiler_options=dict(
           xla_dump_to=dump, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re="jit_step",
           **dict(flag[2:].split("=") for flag in CPU_MEMORY_FLAGS)))

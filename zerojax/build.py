@@ -8,6 +8,7 @@ to lower that step with: nothing is allocated. `compile_step` compiles it (and c
 what XLA made of it, for `zerojax.runtime.xla_dump`).
 """
 
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -22,6 +23,7 @@ from zerojax.data import sft
 from zerojax.mesh import mesh_from_config, processes_per_group
 from zerojax.optim import precision
 from zerojax.release import make_release_step
+from zerojax.runtime import xla_dump
 
 
 class Built(NamedTuple):
@@ -120,8 +122,9 @@ def compile_step(built: Built, dump_to: str | None = None) -> tuple[Any, dict]:
   options = {} if dump_to is None else dict(
       xla_dump_to=dump_to, xla_dump_hlo_as_text=True, xla_dump_hlo_module_re="jit_step")
   start = time.perf_counter()
-  compiled = built.train_step.lower(built.abstract_state, built.abstract_batch).compile(
-      compiler_options=options)
+  with xla_dump.compiled_afresh() if dump_to else contextlib.nullcontext():
+    compiled = built.train_step.lower(built.abstract_state, built.abstract_batch).compile(
+        compiler_options=options)
   mem = compiled.memory_analysis()
   arguments, host = mem.argument_size_in_bytes, mem.host_argument_size_in_bytes
   # XLA:CPU counts host parameters among the arguments.

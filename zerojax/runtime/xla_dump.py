@@ -7,9 +7,34 @@ differ.
 """
 
 import collections
+import contextlib
 import glob
 import os
 import re
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+
+@contextlib.contextmanager
+def compiled_afresh():
+  """JAX's persistent compilation cache off for the compiles inside, so XLA dumps them.
+
+  XLA dumps only what it compiles, and the cache's key leaves the dump options out: an
+  executable loaded from the cache (`jax_compilation_cache_dir` set, the program
+  compiled before) comes with no dump, and the attribution read from it would be empty.
+  Not thread-safe: the cache is a process-wide setting.
+  """
+  if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+    yield
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # JAX decides once whether the cache is used.
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 def itemsize(dtype: str) -> int:

@@ -208,7 +208,7 @@ def compile_partitioned(lowered):
     RuntimeError: the program is partitioned but XLA dumped nothing, as when the
       executable came from JAX's persistent compilation cache.
   """
-  with tempfile.TemporaryDirectory(prefix="zerojax_hlo_") as tmp:
+  with tempfile.TemporaryDirectory(prefix="zerojax_hlo_") as tmp, xla_dump.compiled_afresh():
     compiled = lowered.compile(compiler_options={
         "xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     paths = glob.glob(os.path.join(tmp, "*after_spmd-partitioning*"))
