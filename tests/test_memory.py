@@ -13,10 +13,10 @@ import jax
 import pytest
 
 import zerojax
-from zerojax import memory, models, optim
+from zerojax import build, memory, models, optim
 from zerojax.config import load_config
 from zerojax.memory import report as memory_report
-from zerojax.runtime import units
+from zerojax.runtime import units, xla_dump
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "configs")
@@ -214,14 +214,27 @@ def test_cli_verdict_and_exit_status(capsys):
 
 
 def run_cli(*args: str) -> dict:
-  # Not through conftest's compilation cache: `--compile` reads XLA's dump of the step,
-  # which a cache hit does not write.
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  # With conftest's compilation cache on: `--compile` reads XLA's dump of the step, which
+  # a cache hit does not write, so it compiles afresh (`xla_dump.compiled_afresh`).
   result = subprocess.run(
       [sys.executable, "-m", "zerojax.memory", *args, "--compile", "--json"], cwd=REPO,
-      capture_output=True, text=True, timeout=300, env=dict(env, JAX_PLATFORMS="cpu"))
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode in (0, 1), result.stderr[-3000:]
   return json.loads(result.stdout)
+
+
+def test_a_step_in_the_compilation_cache_still_dumps_its_buffers(tmp_path):
+  """`--compile` attributes the compiled temporaries from XLA's dump of the step; with
+  JAX's persistent cache on (conftest's) and the step already in it, the dump still
+  comes: the dumping compile bypasses the cache (once, it came back empty)."""
+  config = load_config(os.path.join(CONFIGS, "tiny.py"), num_devices=8)
+  built = build.build(config)
+  assert jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache
+  build.compile_step(built)  # Into the cache.
+  for run in ("first", "again"):
+    build.compile_step(built, dump_to=str(tmp_path / run))
+    assert xla_dump.live_at_peak(str(tmp_path / run)), run
+  assert jax.config.jax_enable_compilation_cache  # Back on.
 
 
 def test_estimate_against_compiled_as_the_readme_states():
