@@ -1,52 +1,65 @@
-"""Test setup: 8 fake CPU devices, set before JAX starts a backend; LLVM at -O0 for the
-tests' own compiles; one JAX compilation cache for every process the tests start."""
+"""Test setup: 8 fake CPU devices, set before JAX starts a backend; XLA:CPU's quicker
+code generation for the tests' own compiles; JAX's compilation cache for this process and
+for every process the tests start."""
 
 import os
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as cc
 
 from zerojax.runtime.devices import fake_cpu_devices
 
-# Compiling is most of an in-process test's CPU time, and LLVM's level changes only the
-# machine code, not the HLO passes: buffer assignment (argument, output, temp and alias
-# bytes) is the same at -O0 for 16 test_zero programs (stages 0-3, remat dots/none).
-# test_zero.py: 212 -> 115 s of CPU. Not for children: a 30-step train.py run executes
-# more than it compiles (17 -> 28 s of user CPU at -O0).
-LLVM_O0 = "--xla_backend_optimization_level=0"
+# Compiling is most of an in-process test's CPU time (test_zero.py: 105 of 127 s), and
+# two XLA:CPU settings make it cheaper without touching what the tests read:
+# - LLVM at -O0 changes only the machine code, not the HLO passes: buffer assignment
+#   (argument, output, temp and alias bytes) is the same for 16 test_zero programs.
+# - The legacy LLVM emitters for fusions, not the MLIR fusion emitters: the tiny stage-3
+#   step compiles in 3.2 s of CPU instead of 8.0 (test_zero.py: 134 -> 62 s of user
+#   CPU). Fusion decisions may differ by a few ops (that step's temporaries: 8,135,848
+#   bytes, not 8,135,720); collectives, their dtypes and the layout are GSPMD's, before.
+# Children (train.py, launch, the CLIs) inherit them: they test what a process does
+# (exit statuses, signals, files, resuming bit for bit, peers), which no XLA:CPU code
+# generation setting changes, and their runs are tiny, so compiling is most of their CPU
+# (a 16-step 1-layer run: 23.8 s of user CPU with XLA's defaults, 13.0 s with these).
+# Where a test needs train.py's own XLA:CPU flags it sets them (test_stage3_sweep.py).
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 # Without the XLA:CPU memory flags: the tests compile faster with XLA's default scheduler.
-fake_cpu_devices(8, LLVM_O0, memory_flags=False)
+fake_cpu_devices(8, *FAST_COMPILE, memory_flags=False)
 # The GPU-target tests (test_gpu_targets.py) compile with the CUDA plugin's compile-only
 # client, which loads without a GPU only when told to before the backends start.
 os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def child_environment(tmp_path_factory):
-  """The environment every child process (train.py, launch, the CLIs) inherits: this
-  process's XLA flags without -O0, and JAX's persistent compilation cache in one folder.
+def compilation_cache(tmp_path_factory):
+  """JAX's persistent compilation cache in one folder for the session: this process's
+  compiles, and every child process's (train.py, launch, the CLIs), whose environment
+  has this process's XLA flags.
 
-  Most subprocess tests compile the same few programs, and a tiny run's CPU time is
-  mostly compiling (a 3-step tiny run: 14.9 s of user CPU without the cache, 4.3 s with
-  it). A cache hit returns the executable XLA made before for the same HLO, flags and
-  options, so what a program computes, and the memory it reports, is unchanged. This
-  process's JAX read its config at import, so its own compiles stay uncached. A child
-  whose environment lacks `JAX_COMPILATION_CACHE_DIR` compiles afresh (an XLA dump
-  needs a real compile).
+  Tests compile the same programs again (test_sequence.py: 94 of its compiles, 37 s of
+  CPU; a 3-step tiny train.py run: 14.9 s of user CPU without the cache, 4.3 s with it).
+  A cache hit returns the executable XLA made before for the same HLO, flags and
+  options, so what a program computes, and the memory it reports, is unchanged. A
+  compile that dumps what XLA made compiles afresh (`xla_dump.compiled_afresh`): the
+  cache's key leaves the dump options out.
   """
-  jax.devices()  # XLA reads XLA_FLAGS once, when the backend starts: with -O0.
-  flags = [f for f in os.environ["XLA_FLAGS"].split() if f != LLVM_O0]
+  folder = str(_cache_dir(tmp_path_factory))
+  for name, value in (("jax_compilation_cache_dir", folder),
+                      ("jax_persistent_cache_min_compile_time_secs", 0),
+                      ("jax_persistent_cache_min_entry_size_bytes", 0)):
+    jax.config.update(name, value)
+  cc.reset_cache()  # JAX decides once whether to use the cache: a collection-time compile.
   with pytest.MonkeyPatch.context() as env:
-    env.setenv("XLA_FLAGS", " ".join(flags))
-    env.setenv("JAX_COMPILATION_CACHE_DIR", str(_cache_dir(tmp_path_factory)))
+    env.setenv("JAX_COMPILATION_CACHE_DIR", folder)
     env.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     yield
 
 
 def _cache_dir(tmp_path_factory):
-  """The children's compilation cache: one folder for the session, shared by the
+  """The compilation cache: one folder for the session, shared by the
   pytest-xdist workers (each worker's basetemp is a folder of the session's), so a
   program one worker's children compiled is a cache hit for the other's."""
   base = tmp_path_factory.getbasetemp()
