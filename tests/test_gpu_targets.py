@@ -36,15 +36,29 @@ RELEASE = ["zero.stage=3", "optimizer.release=True", "optimizer.grad_clip=0.0"]
 # only ('minimal') and saving the cuDNN attention's output ('save_attention_out'). The
 # other by-name policies save subsets of these names on the same path (the planner's
 # bytes for by-name policies against XLA:CPU's compile: tests/test_remat.py).
-REMATS = ("full", "none", "dots", "minimal", "save_attention_out")
+# configs/tiny.py's remat is 'dots': the stage cases compile it.
 
 # id -> (config file, overrides, target). configs/tiny.py: Llama, bf16 params, Kahan AdamW.
+# Options that touch different parts of the step share a compile (a covering, not the
+# product): each case asserts what every recipe promises and what each of its options
+# does, so a case fails if either option breaks it. remat x {fp16, stochastic rounding,
+# SFT packed/unpacked}: the policy decides what the backward recomputes, the others the
+# dtypes, the update and the batch. release with previous_norm clipping x offload.
 MATRIX = {
     **{f"stage{s}": ("tiny", [f"zero.stage={s}"], H100) for s in range(4)},
-    **{f"remat-{r}": ("tiny", ["zero.stage=3", f"model.remat={r}"], H100) for r in REMATS},
+    "remat-full-fp16": ("tiny", ["zero.stage=3", "model.remat=full",
+                                 "precision.param_dtype=float16",
+                                 "precision.compute_dtype=float16"], H100),
+    "remat-none-stochastic": ("tiny", ["zero.stage=3", "model.remat=none",
+                                       "optimizer.update_rule=stochastic"], H100),
+    "remat-minimal-sft-packed": ("sft_tiny", ["zero.stage=3", "model.remat=minimal",
+                                              "data.pack=True"], H100),
+    "remat-save_attention_out-sft-unpacked": (
+        "sft_tiny", ["zero.stage=3", "model.remat=save_attention_out", "data.pack=False"], H100),
     "release": ("tiny", RELEASE, H100),
-    "release-previous_norm": ("tiny", [*RELEASE[:2], "optimizer.grad_clip=1.0",
-                                       "optimizer.release_clipping=previous_norm"], H100),
+    "release-previous_norm-offload": ("tiny", [*RELEASE[:2], "optimizer.grad_clip=1.0",
+                                               "optimizer.release_clipping=previous_norm",
+                                               "optimizer.offload=host"], H100),
     "release-per_layer": ("tiny", [*RELEASE[:2], "optimizer.grad_clip=1.0",
                                    "optimizer.release_clipping=per_layer"], H100),
     "release-accumulation": ("tiny", [*RELEASE, "train.microbatches=2",
@@ -53,14 +67,14 @@ MATRIX = {
     # reduction, which stage1 and stage2 above compile): offload at stages 2 and 3.
     **{f"offload-stage{s}": ("tiny", [f"zero.stage={s}", "optimizer.offload=host"], H100)
        for s in (2, 3)},
-    "offload-release": ("tiny", [*RELEASE, "optimizer.offload=host"], H100),
-    "fp16": ("tiny", ["zero.stage=3", "precision.param_dtype=float16",
-                      "precision.compute_dtype=float16"], H100),
-    "stochastic": ("tiny", ["zero.stage=3", "optimizer.update_rule=stochastic"], H100),
-    "sft-packed": ("sft_tiny", ["zero.stage=3", "data.pack=True"], H100),
-    "sft-unpacked": ("sft_tiny", ["zero.stage=3", "data.pack=False"], H100),
     "hybrid-2-hosts": ("tiny", ["zero.stage=3", "mesh.data=2", "mesh.fsdp=4"], "h100:2x4"),
 }
+
+
+def test_the_matrix_compiles_every_remat_code_path():
+  remats = {o.split("=")[1] for _, overrides, _ in MATRIX.values() for o in overrides
+            if o.startswith("model.remat=")}
+  assert remats | {"dots"} == {"full", "none", "dots", "minimal", "save_attention_out"}
 
 
 def compile_config(name, overrides, target, devices=None):
