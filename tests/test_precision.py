@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,10 @@ from zerojax.config import base_config
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.optim import precision
 from zerojax.optim.precision import LossScaling, NonFiniteError
-from zerojax.runtime.devices import fake_devices_env
+
+from test_train import train_here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "train.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
 
 CFG = LossScaling(dynamic=True, initial_power=4, window=3, hysteresis=2, min_scale=1.0)
@@ -351,10 +350,10 @@ def test_reported_learning_rate_counts_only_applied_updates():
 # --- train.py end to end --------------------------------------------------------------
 
 
-def run_train(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-  env = fake_devices_env(8)
-  return subprocess.run([sys.executable, TRAIN, "--config", TINY, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+def run_train(*args: str) -> subprocess.CompletedProcess:
+  """train.py on configs/tiny.py in this process (`test_train.train_here`): its exit
+  status and lines are what is tested here, not the process boundary."""
+  return train_here("--config", TINY, *args)
 
 
 FP16 = ("--config.precision.param_dtype=float16", "--config.precision.compute_dtype=float16")

@@ -54,8 +54,8 @@ def test_release_trains_like_the_normal_step(tmp_path, config):
 
 def test_release_with_optimizer_accumulation_and_clipping_trains(tmp_path):
   """4 microbatches absorbed by the moments, clipping by the previous step's norm: 8
-  steps of train.py learn (loss down by 1 nat), nothing skipped."""
-  result = run_train(*MLP, "--config.train.steps=8", "--config.optimizer.release=True",
+  steps of train.py learn (loss down by 1 nat), nothing skipped. In this process."""
+  result = train_here(*MLP, "--config.train.steps=8", "--config.optimizer.release=True",
                      "--config.train.microbatches=4", "--config.train.global_batch_size=32",
                      "--config.optimizer.release_accumulation=optimizer",
                      "--config.optimizer.release_clipping=previous_norm",
@@ -93,8 +93,8 @@ def test_release_resumes_with_the_carried_norm(tmp_path):
 def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
   """A learning rate of 1e30 overflows the params at step 1, so every later gradient is
   NaN: layers (and the rest) are skipped, each step counts, and the third in a row
-  stops the run with exit 3 and one error line."""
-  result = run_train(*MLP, "--config.optimizer.release=True", "--config.optimizer.grad_clip=0",
+  stops the run with exit 3 and one error line. In this process."""
+  result = train_here(*MLP, "--config.optimizer.release=True", "--config.optimizer.grad_clip=0",
                      "--config.optimizer.learning_rate=1e30", "--config.optimizer.warmup_steps=0",
                      "--config.precision.max_consecutive_skips=3", "--config.train.steps=20",
                      f"--config.workdir={tmp_path}")
