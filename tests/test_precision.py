@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 
 import jax
@@ -361,11 +362,14 @@ FP16 = ("--config.precision.param_dtype=float16", "--config.precision.compute_dt
 
 def test_train_stops_with_status_3_when_gradients_stay_non_finite():
   # The scale starts at 2^40 and may not go below it: every fp16 backward overflows.
+  handler = signal.getsignal(signal.SIGTERM)
   result = run_train(*FP16, "--config.precision.loss_scale.initial_power=40",
                      f"--config.precision.loss_scale.min_scale={2.0 ** 40}",
                      "--config.precision.max_consecutive_skips=3", "--config.train.steps=20",
                      "--config.optimizer.warmup_steps=5")
   assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+  # The run's SIGTERM handler is gone with it, error or not (main called in a process).
+  assert signal.getsignal(signal.SIGTERM) == handler
   assert "Traceback" not in result.stderr, result.stderr[-3000:]
   error = [l for l in result.stderr.splitlines() if l.startswith("error:")]
   assert len(error) == 1, result.stderr[-3000:]

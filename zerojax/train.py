@@ -282,9 +282,11 @@ def restore_or_init(run: Run) -> zerojax.TrainState:
                             built.loss_scaling, params=params)
 
 
-def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog) -> int:
-  """Steps from `state.step` to `train.steps`: logs, evaluations, checkpoints, stops; each
-  marked on the hang watchdog `dog`.
+def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog,
+               stop: preemption.StopSignal) -> int:
+  """Steps from `state.step` to `train.steps`: logs, evaluations, checkpoints, stops (on
+  `stop`'s SIGTERM / SIGINT: save at the end of this step, exit); each marked on the hang
+  watchdog `dog`.
 
   Returns:
     `exits.DONE` after the last step, `exits.STOPPED` when a signal or --stop_after
@@ -294,7 +296,6 @@ def train_loop(run: Run, state: zerojax.TrainState, dog: watchdog.Watchdog) -> i
   model, loss_scaling = run.built.model, run.built.loss_scaling
   run_meta = {"config": c.to_dict()}
   start = int(state.step)  # The data position: batches are a pure function of the step.
-  stop = preemption.StopSignal()  # SIGTERM / SIGINT: save at the end of this step, exit.
   meet_timeout = c.distributed.initialization_timeout
   eval_step = distributed.together(zerojax.make_eval_step(run.built.plan, model.loss),
                                    "eval step", meet_timeout)
@@ -427,7 +428,11 @@ def train(argv: list[str], cleanup: contextlib.ExitStack) -> int:
   # every way out (an in-process caller's error must not leave it running).
   dog = watchdog.Watchdog(c.train.step_timeout, jax.process_index())
   cleanup.callback(dog.close)
-  return train_loop(run, state, dog)
+  # The signal handlers go back on every way out too: a run that ended in an error (exit
+  # 3, 6, ...) left an in-process caller's SIGTERM handled by a dead run.
+  stop = preemption.StopSignal()
+  cleanup.callback(stop.close)
+  return train_loop(run, state, dog, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
