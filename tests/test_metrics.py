@@ -1,6 +1,7 @@
 """The progress bar at a terminal's width: its numbers stay whole, the bar gives way first."""
 
 import io
+import json
 
 import pytest
 from rich.console import Console
@@ -79,3 +80,17 @@ def test_lines_above_the_bar_wrap_between_numbers(width):
     assert sum(number in w for w in wrapped) == 1, (number, wrapped)
   line = "step      3  eval_loss 2.5000"
   assert metrics.wrap_fields(line, width) == line
+
+
+def test_a_record_cut_by_a_kill_is_dropped_and_the_next_run_appends_whole_lines(tmp_path):
+  """A run SIGKILLed while writing its header leaves half a record without its newline
+  (seen in test_faults' kill -9 loop: the next run's record then continued that line)."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.5}\n{"devices": 8, "mes')
+  report = metrics.Reporter(str(tmp_path))
+  report(step=2, loss=2.25)
+  assert [json.loads(line) for line in path.read_text().splitlines()] == [
+      {"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}]
+  metrics.Reporter(str(tmp_path))  # Whole lines: nothing to cut.
+  assert path.read_text().count("\n") == 2
+

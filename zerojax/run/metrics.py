@@ -155,6 +155,19 @@ def wandb_run(workdir: str, config: ml_collections.ConfigDict, log: Callable[[st
                 lambda failed: run.finish(exit_code=1 if failed else 0))
 
 
+def drop_partial_record(path: str) -> None:
+  """Cuts a last line without its newline from the JSONL file `path`: the record of a
+  run killed while writing it (never complete), which the next run's first record would
+  otherwise extend into a line that does not parse. Complete records are untouched."""
+  try:
+    with open(path, "rb+") as f:
+      data = f.read()
+      if data and not data.endswith(b"\n"):
+        f.truncate(data.rfind(b"\n") + 1)
+  except FileNotFoundError:
+    return
+
+
 class Reporter:
   """Prints lines and appends JSON records to `<workdir>/metrics.jsonl` (process 0).
 
@@ -171,6 +184,7 @@ class Reporter:
     self.writers: list[Writer] = []
     if self.enabled and workdir:
       os.makedirs(workdir, exist_ok=True)
+      drop_partial_record(self.path)
 
   def open_writers(self, config: ml_collections.ConfigDict, start: int) -> None:
     """TensorBoard (with a workdir) and W&B (with a project) from step `start` on."""
@@ -215,8 +229,13 @@ class Reporter:
     elif text is not None:
       print(text, flush=True)
     if self.path and record:
-      with open(self.path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+      # One write call a record (the header is over 8 KiB, which a buffered file writes
+      # in pieces): a SIGKILL then leaves at most the record's own tail unwritten.
+      fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+      try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+      finally:
+        os.close(fd)
     values = {SCALARS[k]: float(v) for k, v in record.items() if k in SCALARS}
     if "step" in record and values:
       for writer in self.writers:
