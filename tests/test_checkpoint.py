@@ -347,9 +347,11 @@ def test_flipped_bytes_are_caught_or_harmless(tmp_path):
   outcomes = []
   for i in range(1, 12):
     shutil.copytree(tmp_path / "good", tmp_path / "bad", dirs_exist_ok=True)
-    path, end = largest_data_file(os.path.join(tmp_path, "bad", "2"))
+    # The largest file on disk, bytes the index points at or not: a flip anywhere.
+    path = max(glob.glob(os.path.join(tmp_path, "bad", "2", "state", "**", "d", "*"),
+                         recursive=True), key=os.path.getsize)
     data = bytearray(open(path, "rb").read())
-    data[end * i // 12] ^= 0xFF
+    data[len(data) * i // 12] ^= 0xFF
     open(path, "wb").write(data)
     with checkpoint.Checkpointer(tmp_path / "bad", save_every_steps=1) as ckpt:
       try:
