@@ -196,9 +196,16 @@ class Reporter:
       self.writers.append(wandb_run(self.workdir, config, self))
 
   def close(self, failed: bool = False) -> None:
-    """Closes the writers; `failed`: the run ended by an error."""
+    """Closes the writers; `failed`: the run ended by an error. Then a writer that cannot
+    flush (the disk that failed the checkpoint is full) is a note on stdout, not a
+    traceback over the run's own error line and exit status."""
     for writer in self.writers:
-      writer.close(failed)
+      try:
+        writer.close(failed)
+      except OSError as e:
+        if not failed:
+          raise
+        print(f"note: a metrics writer could not finish: {e}", flush=True)
     self.writers = []
 
   def start_bar(self, total: int, console: rich_console.Console | None = None) -> None:
