@@ -219,6 +219,8 @@ def test_the_h200_compile_matches_the_device_peaks_measured_on_an_h200(run):
                        [f"--config.{o}" for o in run["overrides"]]
                        + [f"--config.train.seq_len={run['seq_len']}"], num_devices=1)
   built = build.build(config, jax.devices()[:1])
+  # 'auto' attention is 'dot_product' (cuDNN's kernel) on a GPU in bf16: each size's two
+  # runs lower to one program, which `compile_jitted` compiles once.
   out = gpu_compile.compile_jitted(
       built.train_step, (built.abstract_state, built.abstract_batch), built.mesh,
       targets.parse("h200:1"), {"xla_gpu_enable_latency_hiding_scheduler": True})
@@ -230,12 +232,14 @@ def test_the_h200_compile_matches_the_device_peaks_measured_on_an_h200(run):
 def test_a_step_compiled_for_cpu_and_for_a_target_keeps_each_ones_kernels():
   """The attention kernel is chosen while tracing (cuDNN for a GPU target, the blocked
   loop on CPU) and JAX's trace cache does not know the choice: in one process, the same
-  jitted step lowered for this CPU, compiled for a target, and lowered again must each
-  get their own kernel, not a cached trace of the other's."""
+  jitted step lowered for this CPU, for a target (what `compile_jitted` compiles; the
+  matrix compiles it and finds cuDNN's kernel), and for this CPU again must each get
+  their own kernel, not a cached trace of the other's."""
   config = load_config(os.path.join(ROOT, "configs", "tiny.py"), ["zero.stage=3"],
                        num_devices=8)
   built = build.build(config)
-  cpu = lambda: built.train_step.lower(built.abstract_state, built.abstract_batch).as_text()
+  args = (built.abstract_state, built.abstract_batch)
+  cpu = lambda: built.train_step.lower(*args).as_text()
   assert "cudnn" not in cpu()
-  assert "__cudnn$fmha" in gpu_compile.compile_step(built, config, targets.parse(H100)).hlo
+  assert "__cudnn$fmha" in gpu_compile.lower(built.train_step, args).as_text()
   assert "cudnn" not in cpu()

@@ -17,6 +17,7 @@ CUDA plugin load without a driver.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -92,6 +93,21 @@ def _option(flag: str) -> tuple[str, Any]:
   return name, int(value) if value.isdigit() else value
 
 
+def lower(jitted, args: Sequence[Any]):
+  """`jitted(*args)` traced as for a GPU and lowered for CUDA (a `jax.stages.Lowered`).
+
+  The choices `backend()` answers (cuDNN attention) are made while tracing, and JAX's
+  trace cache does not know them: a trace for the target neither reuses one made for
+  this process's CPU nor is reused by it.
+  """
+  jitted.clear_cache()
+  try:
+    with targeting("gpu"):
+      return jitted.trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    jitted.clear_cache()
+
+
 def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
                    options: dict[str, Any] | None = None,
                    dump_to: str | None = None) -> GpuCompiled:
@@ -111,15 +127,10 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
     raise ValueError(f"the mesh has {mesh.devices.size} devices, the target {spec.devices}")
   options = dict(options or {})
   start = time.perf_counter()
-  # The choices `backend()` answers (cuDNN attention) are made while tracing, and JAX's
-  # trace cache does not know them: a trace for the target must neither reuse one made
-  # for this process's CPU nor be reused by it.
-  jitted.clear_cache()
-  try:
-    with targeting("gpu"):
-      lowered = jitted.trace(*args).lower(lowering_platforms=("cuda",))
-  finally:
-    jitted.clear_cache()
+  lowered = lower(jitted, args)
+  key = hashlib.sha256(f"{lowered.as_text()}{spec}{sorted(options.items())}".encode()).digest()
+  if dump_to is None and key in _COMPILED:
+    return _COMPILED[key]
   targets = devices(spec)
   dump = {} if dump_to is None else dict(xla_dump_to=dump_to, xla_dump_hlo_as_text=True,
                                            xla_dump_hlo_module_re="jit_step")
@@ -131,7 +142,18 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
                 host_outputs=stats.host_output_size_in_bytes,
                 host_temporaries=stats.host_temp_size_in_bytes,
                 seconds=time.perf_counter() - start)
-  return GpuCompiled(executable.hlo_modules()[0].to_string(), memory, options)
+  _COMPILED[key] = GpuCompiled(executable.hlo_modules()[0].to_string(), memory, options)
+  while len(_COMPILED) > _KEEP:
+    del _COMPILED[next(iter(_COMPILED))]
+  return _COMPILED[key]
+
+
+# What XLA's GPU compiler made, by (lowered module, target, options): a program met twice
+# in a process (`memory.fit`'s candidates, two configs that lower alike) compiles once, as
+# JAX's own cache does for the programs it runs; none is kept for a compile that dumps
+# (the dump is what it is for). GpuCompiled is immutable; its `seconds` are the compile's.
+_COMPILED: dict[bytes, GpuCompiled] = {}
+_KEEP = 64
 
 
 def compile_step(built, config, spec: TargetSpec, dump_to: str | None = None) -> GpuCompiled:
