@@ -12,6 +12,8 @@ import pytest
 from zerojax import config as zc
 from zerojax.config import checks
 
+from conftest import FAST_COMPILE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
@@ -391,7 +393,9 @@ def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
                  capture_output=True)
   elsewhere.mkdir()
   (elsewhere / "tiny.py").write_text(open(TINY).read())
-  env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  # One CPU device (not conftest's 8), conftest's quicker code generation.
+  env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": " ".join(FAST_COMPILE)}
   run = lambda *args: subprocess.run(args, cwd=elsewhere, env=env,  # noqa: E731
                                      capture_output=True, text=True, timeout=300)
   where = run(sys.executable, "-c", "import zerojax; print(zerojax.__file__)")
