@@ -72,15 +72,15 @@ def _cache_dir(tmp_path_factory):
 
 # The files by their measured seconds, heaviest first (benchmarks/README.md 'Test suite
 # time'): with `--dist loadfile` each file runs whole on one worker, in this order, and a
-# worker that finishes takes the next. Heaviest first is what keeps the two workers
+# worker that finishes takes the next. Heaviest first is what keeps the workers
 # finishing together (xdist's own order is by test count: a 1-test, 2-minute file went
 # last). Files not listed follow, in pytest's order; an approximate list is fine.
 HEAVIEST_FIRST = (
-    "test_gpu_targets.py", "test_multihost.py", "test_train.py", "test_faults.py",
-    "test_release_train.py", "test_param_offload.py", "test_zero.py", "test_gpu_cli.py",
-    "test_sequence.py", "test_release.py", "test_precision.py", "test_stage3_sweep.py",
-    "test_offload.py", "test_families.py", "test_activation_offload.py", "test_optim.py",
-    "test_tiled_mlp.py", "test_memory.py", "test_checkpoint.py", "test_cli.py",
+    "test_gpu_targets.py", "test_gpu_cli.py", "test_multihost.py", "test_train.py",
+    "test_param_offload.py", "test_release_train.py", "test_faults.py", "test_sequence.py",
+    "test_stage3_sweep.py", "test_zero.py", "test_release.py", "test_precision.py",
+    "test_checkpoint.py", "test_offload.py", "test_memory.py", "test_cli.py",
+    "test_generate.py", "test_activation_offload.py", "test_config.py", "test_optim.py",
 )
 
 
