@@ -18,6 +18,7 @@ from zerojax import data, optim
 from zerojax.checkpoint import layout
 from zerojax.config import base_config
 from zerojax.data import sft_demo
+from zerojax.generate import cli as generate_cli
 from zerojax.mesh import make_mesh
 from zerojax.run import metrics
 from zerojax.runtime import exits
@@ -50,8 +51,8 @@ def train_here(*args: str) -> subprocess.CompletedProcess:
   """train.py's `zerojax.train.main(args)` in this process (its 8 CPU devices), stdout and
   stderr captured, as `run_train` returns them. For runs where the process boundary is
   not what is tested (a run's numbers, its exit status and lines): no JAX start, and the
-  modules and tokenizer already imported. This process compiles at LLVM -O0 (machine
-  code only: conftest.py) and without the children's compilation cache."""
+  modules and tokenizer already imported. The same quicker code generation and
+  compilation cache as the children (conftest.py)."""
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
@@ -223,7 +224,11 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
     (3, "--config.mesh.data=2", SFT_TINY, ("--config.model.n_layers=2", *SMALL[1:]))],
     ids=["stage3-fsdp8", "stage1-data2", "sft-stage3-data2"])
 def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
-  """2k steps straight == k steps, stop (as on SIGTERM), a new process, k more steps.
+  """2k steps straight == k steps, stop (as on SIGTERM), a new run, k more steps.
+
+  The quick start's runs are processes (the resume is a new process: nothing carried in
+  memory); the smaller cases' are `train.main` calls in this process (what differs is
+  the stage, the mesh and the data, not the process boundary).
 
   The straight run's header names its devices, mesh and stage, its losses are finite;
   the quick start's (stage3-fsdp8) loss and held-out loss fall by a nat in the 20 steps.
@@ -247,11 +252,14 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
     common += ("--config.logging.wandb.project=zerojax-test",
                "--config.logging.wandb.mode=offline")
   env = train_env()
-  if config == TINY and not shape:  # As shipped: XLA's own code generation, not the
-    # tests' quicker compile (conftest.FAST_COMPILE), which runs these 40 steps slower.
+  if config == TINY and not shape:  # As shipped, in processes: XLA's own code generation,
+    # not the tests' quicker compile (conftest.FAST_COMPILE), which runs 40 steps slower.
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f not in FAST_COMPILE)
+    run = lambda *args: run_train(*args, env=env)  # noqa: E731
+  else:
+    run = train_here
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  first = run_train(*common, f"--workdir={straight}", env=env)
+  first = run(*common, f"--workdir={straight}")
   assert first.returncode == 0, first.stderr[-2000:]
   records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
   header = records[0]
@@ -268,11 +276,11 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
     assert f"loss {losses[-1]:.4f}" in first.stdout and "final eval loss" in first.stdout
   # --stop_after: what train.py does on SIGTERM after that step (save, exit 75), but at a
   # known step; train.steps, and so the schedule, stay those of the straight run.
-  stopped = run_train(*common, f"--stop_after={k}", f"--workdir={resumed}", env=env)
+  stopped = run(*common, f"--stop_after={k}", f"--workdir={resumed}")
   assert stopped.returncode == exits.STOPPED, stopped.stderr[-2000:]
   assert f"stopped by --stop_after after step {k}: saved" in stopped.stdout
   assert [r["step"] for r in step_records(resumed)] == list(range(1, k + 1))
-  again = run_train(*common, f"--workdir={resumed}", env=env)
+  again = run(*common, f"--workdir={resumed}")
   assert again.returncode == 0, again.stderr[-2000:]
   assert f"resumed from {resumed}/checkpoints/{k}\n" in again.stdout
 
@@ -294,12 +302,12 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
     differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
     assert not differ, f"step {step}: {differ}"
   assert int(x["step"]) == 2 * k and x["rng"].shape == (2,)
-  if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params).
-    said = subprocess.run([sys.executable, "-m", "zerojax.generate", f"--workdir={resumed}",
-                           "--prompt=12+30=", "--max_new=8"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert said.returncode == 0, said.stderr[-2000:]
-    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # Then the answer.
+  if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params):
+    # `python -m zerojax.generate`'s main, in this process (test_generate's CLI tests).
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+      assert generate_cli.main([f"--workdir={resumed}", "--prompt=12+30=", "--max_new=8"]) == 0
+    assert said.getvalue().startswith(f"restored {resumed}/checkpoints/20\n")  # The answer.
     # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
     # files (loadable, the same ids), the chat template trained with, bos/eos ids.
     # In this process: `python -m zerojax.hf.export` as a process is test_hf's.
