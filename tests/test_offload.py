@@ -22,7 +22,7 @@ from zerojax.runtime import exits, units
 import test_memory
 from test_release import SMALL, batches, relative
 from test_release_train import MLP
-from test_train import run_train
+from test_train import train_here
 
 HOST = jax.memory.Space.Host
 
@@ -234,14 +234,15 @@ def test_checkpoint_round_trip_of_host_state_resumes_exactly(tmp_path):
 def test_train_py_offloads_stops_and_resumes_like_the_normal_step(tmp_path):
   """train.py, mlp_lm with the defaults (bf16, Kahan AdamW, stage 3): 6 steps with
   optimizer.offload='host', stopped after 3 (exit 75) and resumed from the checkpoint,
-  give the losses of 6 uninterrupted steps without offload."""
+  give the losses of 6 uninterrupted steps without offload. train.py's main in this
+  process: the resume reads the host-memory state from disk into a new build."""
   common = (*MLP, "--config.train.steps=6", "--config.checkpoint.every_steps=3")
-  normal = run_train(*common, f"--workdir={tmp_path / 'normal'}")
+  normal = train_here(*common, f"--workdir={tmp_path / 'normal'}")
   assert normal.returncode == exits.DONE, normal.stderr[-3000:]
   args = (*common, "--config.optimizer.offload=host", f"--workdir={tmp_path / 'offload'}")
-  stopped = run_train(*args, "--stop_after=3")
+  stopped = train_here(*args, "--stop_after=3")
   assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
-  resumed = run_train(*args)
+  resumed = train_here(*args)
   assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
   assert "resumed from" in resumed.stdout
   losses = lambda name: [r["loss"] for r in map(json.loads, (

@@ -71,16 +71,17 @@ def test_release_resumes_with_the_carried_norm(tmp_path):
   """Clipping by the previous norm (kept in the optimizer state) and optimizer
   accumulation: stopped after step 3 (saved, exit 75) and resumed, a run gives the
   losses of a run that never stopped, bit for bit (the norm came back with the state:
-  a lost norm would leave step 4 unclipped)."""
+  a lost norm would leave step 4 unclipped). In this process: the resume reads the norm
+  from disk into a new build."""
   args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
           "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
           "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.1",
           "--config.checkpoint.async_save=False")
-  whole = run_train(*args, f"--config.workdir={tmp_path / 'whole'}")
+  whole = train_here(*args, f"--config.workdir={tmp_path / 'whole'}")
   assert whole.returncode == exits.DONE, whole.stderr[-3000:]
-  stopped = run_train(*args, f"--config.workdir={tmp_path / 'parts'}", "--stop_after", "3")
+  stopped = train_here(*args, f"--config.workdir={tmp_path / 'parts'}", "--stop_after", "3")
   assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
-  resumed = run_train(*args, f"--config.workdir={tmp_path / 'parts'}")
+  resumed = train_here(*args, f"--config.workdir={tmp_path / 'parts'}")
   assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
   losses = {}
   for run in ("whole", "parts"):
