@@ -17,7 +17,7 @@ from zerojax.config import load_config
 from zerojax.runtime import exits
 from zerojax.runtime.devices import fake_devices_env
 
-from test_train import REPO, SMALL, TINY, TRAIN, run_train, train_here
+from test_train import REPO, SMALL, TINY, TRAIN, train_here
 
 BASE = os.path.join(REPO, "configs", "base.py")
 MLP = ("--config", BASE, "--config.model.name=mlp_lm", "--config.optimizer.warmup_steps=1",
@@ -112,14 +112,15 @@ def test_release_stops_with_status_3_when_gradients_stay_non_finite(tmp_path):
 def test_release_on_2_processes_matches_1_process(tmp_path):
   """fp32, optimizer accumulation over 2 microbatches, clipping by the previous norm:
   `zerojax.run.launch` 2 processes x 4 CPU devices (gloo collectives between them) give the
-  losses of 1 process x 8 devices, step by step, within fp32 reduction-order noise."""
+  losses of 1 process x 8 devices (this one: `train.main`), step by step, within fp32
+  reduction-order noise."""
   args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
           "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
           "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.5",
           "--config.optimizer.schedule=constant", "--config.precision.param_dtype=float32",
           "--config.precision.compute_dtype=float32", "--config.optimizer.state_dtype=float32",
           "--config.optimizer.update_rule=nearest")
-  one = run_train(*args, f"--config.workdir={tmp_path / 'one'}")
+  one = train_here(*args, f"--config.workdir={tmp_path / 'one'}")
   assert one.returncode == exits.DONE, one.stderr[-3000:]
   env = {k: v for k, v in os.environ.items() if not k.startswith(("ZEROJAX_", "JAX_COORD"))}
   two = subprocess.run(
