@@ -17,8 +17,11 @@ CUDA plugin load without a driver.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -110,7 +113,7 @@ def lower(jitted, args: Sequence[Any]):
 
 def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
                    options: dict[str, Any] | None = None,
-                   dump_to: str | None = None) -> GpuCompiled:
+                   dump_to: str | None = None, kernel_cache: bool = True) -> GpuCompiled:
   """`jitted(*args)` (abstract args sharded over `mesh`, a mesh of CPU devices) compiled
   by XLA's GPU compiler for `spec`'s devices.
 
@@ -121,6 +124,8 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
     spec: the GPU target and topology.
     options: XLA debug options (`profile_options`).
     dump_to: also dump the optimized module and its buffer assignment there.
+    kernel_cache: reuse the kernels earlier compiles in this process made for the same
+      GPU model (`_kernel_cache`); what XLA makes is the same either way.
   """
 
   if mesh.devices.size != spec.devices:
@@ -128,13 +133,15 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
   options = dict(options or {})
   start = time.perf_counter()
   lowered = lower(jitted, args)
-  key = hashlib.sha256(f"{lowered.as_text()}{spec}{sorted(options.items())}".encode()).digest()
+  key = hashlib.sha256(f"{lowered.as_text()}{spec}{sorted(options.items())}{kernel_cache}"
+                       .encode()).digest()
   if dump_to is None and key in _COMPILED:
     return _COMPILED[key]
   targets = devices(spec)
   dump = {} if dump_to is None else dict(xla_dump_to=dump_to, xla_dump_hlo_as_text=True,
                                            xla_dump_hlo_module_re="jit_step")
-  executable = compat.compile_for(lowered, targets, {**options, **dump})
+  cache = _kernel_cache(spec) if kernel_cache else {}
+  executable = compat.compile_for(lowered, targets, {**options, **dump, **cache})
   stats = executable.get_compiled_memory_stats()
   memory = dict(arguments=stats.argument_size_in_bytes, temporaries=stats.temp_size_in_bytes,
                 outputs=stats.output_size_in_bytes, aliased=stats.alias_size_in_bytes,
@@ -154,6 +161,30 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
 # (the dump is what it is for). GpuCompiled is immutable; its `seconds` are the compile's.
 _COMPILED: dict[bytes, GpuCompiled] = {}
 _KEEP = 64
+
+
+def _kernel_cache(spec: TargetSpec) -> dict[str, Any]:
+  """XLA's kernel cache file for `spec`'s GPU model, for this process's compiles.
+
+  Why: most of a GPU compile's CPU is code generation, LLVM and ptxas (~190 runs a
+  compile) for each fusion's kernel, and the compiles of one process (the planner's
+  `memory.fit` candidates, a test session's matrix) share most fusions: XLA reuses a
+  kernel it compiled before for the same fused computation (its fingerprint) and
+  compiles only the new ones. The optimized module and its buffer assignment are the
+  same with or without it (tests/test_gpu_targets.py), so every figure read from them is.
+  One file per GPU model (a kernel is machine code for one compute capability), in a
+  folder removed at exit; none where the user's XLA_FLAGS name their own.
+  """
+  if "xla_gpu_kernel_cache_file" in os.environ.get("XLA_FLAGS", ""):
+    return {}
+  global _KERNELS
+  if _KERNELS is None:
+    _KERNELS = tempfile.mkdtemp(prefix="zerojax-gpu-kernels-")
+    atexit.register(shutil.rmtree, _KERNELS, ignore_errors=True)
+  return {"xla_gpu_kernel_cache_file": os.path.join(_KERNELS, f"{spec.target.name}.bin")}
+
+
+_KERNELS: str | None = None  # The folder of this process's kernel cache files.
 
 
 def compile_step(built, config, spec: TargetSpec, dump_to: str | None = None) -> GpuCompiled:
