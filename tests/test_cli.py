@@ -1,11 +1,16 @@
-"""Command-line and input mistakes end as one `error:` line and exit status 2, in real processes.
+"""Command-line and input mistakes end as one `error:` line and exit status 2.
 
 train.py and the `python -m zerojax.config` / `zerojax.memory` CLIs: mistakes on the
 command line (before JAX starts a backend too), a config that is not a Python file, a
 data path that is a directory, a token file changed under a running job, a CPU step
-larger than the host's memory.
+larger than the host's memory. Real processes where the process is the point (the
+script as a user runs it, a job whose data changes under it, the host's memory); the
+other mistakes and `--help` call each CLI's `main` in this process (`here`), whose
+output and exit status are the process's less the JAX start.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,7 +21,10 @@ import time
 import numpy as np
 import pytest
 
+import zerojax.config
+import zerojax.train
 from zerojax.memory import report as memory_report
+from zerojax.run import launch
 from zerojax.runtime import exits
 from zerojax.runtime.devices import fake_devices_env
 
@@ -30,6 +38,18 @@ def run(*args: str, devices: int = 8, timeout: float = 120) -> subprocess.Comple
   env = dict(fake_devices_env(devices), PYTHONPATH=REPO)
   return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=timeout)
+
+
+def here(main, *args: str) -> subprocess.CompletedProcess:
+  """A CLI's `main(args)` in this process, stdout and stderr captured, as `run` returns
+  them (argparse's exits, 0 for --help and 2 for a mistake, are the status)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = main(list(args))
+    except SystemExit as e:
+      code = e.code
+  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_error(result: subprocess.CompletedProcess, *words: str) -> str:
@@ -76,29 +96,30 @@ MISTAKES = [
 
 @pytest.mark.parametrize("args, words", MISTAKES, ids=[" ".join(m[0]) for m in MISTAKES])
 def test_train_command_line_mistake_is_one_error_line(files, args, words):
-  result = run(TRAIN, *[a.format(tmp=files) for a in args], "--dry_run", timeout=60)
+  args = [a.format(tmp=files) for a in args]
+  if args == MISTAKES[0][0]:  # One as a user meets it: the script, a new process.
+    result = run(TRAIN, *args, "--dry_run", timeout=60)
+  else:
+    result = here(zerojax.train.main, *args, "--dry_run")
   assert_one_error(result, *words)
   assert result.stdout == ""  # Nothing ran: not even the config was printed.
 
 
 def test_config_and_memory_clis_treat_mistakes_alike(files):
-  assert_one_error(run("-m", "zerojax.config", "--confg", TINY, timeout=60),
-                   "did you mean --config?")
-  assert_one_error(run("-m", "zerojax.config", "--config", str(files / "ds_config.json"),
-                       timeout=60),
+  assert_one_error(here(zerojax.config.main, "--confg", TINY), "did you mean --config?")
+  assert_one_error(here(zerojax.config.main, "--config", str(files / "ds_config.json")),
                    "use train.global_batch_size")
-  assert_one_error(run("-m", "zerojax.memory", "--config", TINY, "--devices", "8", "tiny.py",
-                       timeout=60), "write --config tiny.py")
-  assert_one_error(run("-m", "zerojax.memory", "--config", TINY, "--devices", "eight", timeout=60),
+  assert_one_error(here(memory_report.main, "--config", TINY, "--devices", "8", "tiny.py"),
+                   "write --config tiny.py")
+  assert_one_error(here(memory_report.main, "--config", TINY, "--devices", "eight"),
                    "--devices", "'eight'")
 
 
 def test_data_error_is_printed_before_the_config(tmp_path):
   # A directory given as the data path is called a directory, and the error is the first
   # (and only) thing printed: the config is printed once config and data are good.
-  result = run(TRAIN, "--config", TINY, "--config.data.name=tokens",
-               f"--config.data.path={tmp_path}",
-               timeout=60)
+  result = here(zerojax.train.main, "--config", TINY, "--config.data.name=tokens",
+                f"--config.data.path={tmp_path}")
   assert_one_error(result, str(tmp_path), "is a directory, not a file")
   assert result.stdout == ""
 
@@ -149,10 +170,10 @@ def test_cpu_step_larger_than_host_memory_is_refused_before_allocating():
   assert "verdict: does NOT fit" in result.stdout and "changes that make it fit" in result.stdout
 
 
-@pytest.mark.parametrize("command", [[TRAIN], ["-m", "zerojax.config"], ["-m", "zerojax.memory"],
-                                     ["-m", "zerojax.run.launch"]])
-def test_help_prints_usage_and_exits_0(command):
-  result = run(*command, "--help")
+@pytest.mark.parametrize("main", [zerojax.train.main, zerojax.config.main, memory_report.main,
+                                  launch.main], ids=["train", "config", "memory", "launch"])
+def test_help_prints_usage_and_exits_0(main):
+  result = here(main, "--help")  # Installed scripts as processes: test_config's install test.
   assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
-  if command[-1] != "zerojax.run.launch":  # The launcher takes no config; the others say how.
+  if main is not launch.main:  # The launcher takes no config; the others say how.
     assert "--config PATH" in result.stdout and "--config.KEY VALUE" in result.stdout
