@@ -120,16 +120,16 @@ def test_all_to_all_bytes_per_layer_are_the_formula(remat, kv_heads):
 
 
 @pytest.mark.slow
-def test_train_py_trains_2048_token_sequences_split_over_8_devices_and_resumes_exactly(
+def test_train_py_trains_1024_token_sequences_split_over_8_devices_and_resumes_exactly(
     tmp_path):
-  """train.py (this process: `zerojax.train.main`), one sequence of 2048 tokens a step
+  """train.py (this process: `zerojax.train.main`), one sequence of 1024 tokens a step
   over the 8 devices, activation offload and the tiled MLP on: the held-out loss falls,
   and 2 steps, a stop, 2 more = 4 straight (every step's metrics, and the last
   checkpoint bit for bit)."""
   from test_train import checkpoint_leaves, step_records
   common = ["--config", "configs/tiny.py", *(f"--config.{o}" for o in (
       "mesh.sequence_parallel=True", "model.n_heads=8", "model.n_layers=1", "model.d_model=32",
-      "model.d_ff=96", "train.seq_len=2048", "train.global_batch_size=1",
+      "model.d_ff=96", "train.seq_len=1024", "train.global_batch_size=1",
       "model.attention_block=256", "model.loss_chunk=512", "train.steps=4",
       "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
       "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.tensorboard=False",
