@@ -333,6 +333,14 @@ MISTRAL_SMALL_24B = {"architectures": ["MistralForCausalLM"], "head_dim": 128,
 
 QWEN3_8B = {**QWEN3_32B, "hidden_size": 4096, "intermediate_size": 12288, "max_window_layers": 36,
             "num_attention_heads": 32, "num_hidden_layers": 36}
+QWEN25_7B = {**QWEN25_72B, "hidden_size": 3584, "intermediate_size": 18944,
+             "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
+             "num_key_value_heads": 4}
+MISTRAL_7B = {"architectures": ["MistralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+              "intermediate_size": 14336, "model_type": "mistral", "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+              "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+              "vocab_size": 32768}  # v0.3.
 GEMMA3_12B = {**GEMMA3_27B, "text_config": {
     "hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
     "num_attention_heads": 16, "num_hidden_layers": 48, "num_key_value_heads": 8,
@@ -343,7 +351,8 @@ GEMMA3_12B = {**GEMMA3_27B, "text_config": {
     ("qwen25_72b_8x80gb.py", QWEN25_72B, 72.71), ("gemma3_27b_4x80gb.py", GEMMA3_27B, 27.01),
     ("qwen3_32b_4x80gb.py", QWEN3_32B, 32.76),
     ("mistral_small_24b_4x80gb.py", MISTRAL_SMALL_24B, 23.57),
-    ("qwen3_8b_1x4090.py", QWEN3_8B, 8.19), ("gemma3_12b_1x4090.py", GEMMA3_12B, 11.77)])
+    ("qwen3_8b_1x4090.py", QWEN3_8B, 8.19), ("gemma3_12b_1x4090.py", GEMMA3_12B, 11.77),
+    ("qwen25_7b_1x4090.py", QWEN25_7B, 7.62), ("mistral_7b_1x4090.py", MISTRAL_7B, 7.25)])
 def test_a_real_size_recipe_is_its_published_config_json(tmp_path, recipe, published, billions):
   """The recipe passes init_from's check against the model's config.json (a multimodal
   Gemma 3's text_config over Gemma3TextConfig's defaults) and has its parameters."""
