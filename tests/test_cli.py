@@ -5,12 +5,11 @@ command line (before JAX starts a backend too), a config that is not a Python fi
 data path that is a directory, a token file changed under a running job, a CPU step
 larger than the host's memory. Real processes where the process is the point (the
 script as a user runs it, a job whose data changes under it, the host's memory); the
-other mistakes and `--help` call each CLI's `main` in this process (`here`), whose
-output and exit status are the process's less the JAX start.
+other mistakes and `--help` call each CLI's `main` in this process
+(`test_train.run_main`), whose output and exit status are the process's less the JAX
+start.
 """
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -28,6 +27,8 @@ from zerojax.run import launch
 from zerojax.runtime import exits
 from zerojax.runtime.devices import fake_devices_env
 
+from test_train import run_main as here
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
 TINY = os.path.join(REPO, "configs", "tiny.py")
@@ -38,18 +39,6 @@ def run(*args: str, devices: int = 8, timeout: float = 120) -> subprocess.Comple
   env = dict(fake_devices_env(devices), PYTHONPATH=REPO)
   return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=timeout)
-
-
-def here(main, *args: str) -> subprocess.CompletedProcess:
-  """A CLI's `main(args)` in this process, stdout and stderr captured, as `run` returns
-  them (argparse's exits, 0 for --help and 2 for a mistake, are the status)."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-      code = main(list(args))
-    except SystemExit as e:
-      code = e.code
-  return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_error(result: subprocess.CompletedProcess, *words: str) -> str:

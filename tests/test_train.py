@@ -47,19 +47,26 @@ def run_train(*args: str, timeout: float = 600,
                         capture_output=True, text=True, timeout=timeout)
 
 
-def train_here(*args: str) -> subprocess.CompletedProcess:
-  """train.py's `zerojax.train.main(args)` in this process (its 8 CPU devices), stdout and
-  stderr captured, as `run_train` returns them. For runs where the process boundary is
-  not what is tested (a run's numbers, its exit status and lines): no JAX start, and the
-  modules and tokenizer already imported. The same quicker code generation and
-  compilation cache as the children (conftest.py)."""
+def run_main(main, *args: str) -> subprocess.CompletedProcess:
+  """A CLI's `main(args)` in this process, stdout and stderr captured, as `run_train`
+  returns a process's (argparse's and load_config's exits, 0 for --help and 2 for a
+  mistake, are the status)."""
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
-      code = zerojax.train.main(list(args))
-    except SystemExit as e:  # A config error: argparse's and load_config's exit 2.
+      code = main(list(args))
+    except SystemExit as e:
       code = e.code
   return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def train_here(*args: str) -> subprocess.CompletedProcess:
+  """train.py's `zerojax.train.main(args)` in this process (its 8 CPU devices), through
+  `run_main`. For runs where the process boundary is not what is tested (a run's
+  numbers, its exit status and lines): no JAX start, and the modules and tokenizer
+  already imported. The same quicker code generation and compilation cache as the
+  children (conftest.py)."""
+  return run_main(zerojax.train.main, *args)
 
 
 def start_train(*args: str, env: dict[str, str], prefix: tuple[str, ...] = (TRAIN,)
@@ -304,10 +311,9 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
   assert int(x["step"]) == 2 * k and x["rng"].shape == (2,)
   if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params):
     # `python -m zerojax.generate`'s main, in this process (test_generate's CLI tests).
-    said = io.StringIO()
-    with contextlib.redirect_stdout(said):
-      assert generate_cli.main([f"--workdir={resumed}", "--prompt=12+30=", "--max_new=8"]) == 0
-    assert said.getvalue().startswith(f"restored {resumed}/checkpoints/20\n")  # The answer.
+    said = run_main(generate_cli.main, f"--workdir={resumed}", "--prompt=12+30=", "--max_new=8")
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # The answer.
     # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
     # files (loadable, the same ids), the chat template trained with, bos/eos ids.
     # In this process: `python -m zerojax.hf.export` as a process is test_hf's.

@@ -18,6 +18,7 @@ CUDA plugin load without a driver.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import shutil
@@ -177,14 +178,15 @@ def _kernel_cache(spec: TargetSpec) -> dict[str, Any]:
   """
   if "xla_gpu_kernel_cache_file" in os.environ.get("XLA_FLAGS", ""):
     return {}
-  global _KERNELS
-  if _KERNELS is None:
-    _KERNELS = tempfile.mkdtemp(prefix="zerojax-gpu-kernels-")
-    atexit.register(shutil.rmtree, _KERNELS, ignore_errors=True)
-  return {"xla_gpu_kernel_cache_file": os.path.join(_KERNELS, f"{spec.target.name}.bin")}
+  return {"xla_gpu_kernel_cache_file": os.path.join(_kernel_folder(), f"{spec.target.name}.bin")}
 
 
-_KERNELS: str | None = None  # The folder of this process's kernel cache files.
+@functools.cache
+def _kernel_folder() -> str:
+  """The folder of this process's kernel cache files, made at the first compile."""
+  folder = tempfile.mkdtemp(prefix="zerojax-gpu-kernels-")
+  atexit.register(shutil.rmtree, folder, ignore_errors=True)
+  return folder
 
 
 def compile_step(built, config, spec: TargetSpec, dump_to: str | None = None) -> GpuCompiled:
