@@ -453,6 +453,7 @@ def stranger(port: int, payload: bytes | None, hold: float) -> tuple[bytes, floa
 # A well-formed hello (process 1, 64 hex digits) whose proof is wrong: only the HMAC
 # comparison refuses it (without it, process 1 already being connected would).
 FORGED = b"1 " + b"0" * 64 + b"\n"
+SILENT = peers.HELLO_SECONDS + 3  # How long the silent stranger waits to be closed.
 PAYLOADS = [b"1\n", b"0\n", b"5\n", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 20, FORGED, None]
 
 
@@ -462,8 +463,8 @@ def test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process(tm
   Strangers: after its first step a stranger connects to each port process 0 listens on
   but JAX's coordinator (the peer watch, gloo's) six times at once, sending `1\\n`,
   `0\\n`, `5\\n`, garbage, a well-formed hello for process 1 with a wrong proof, and
-  nothing for 30 s, while the run trains on. The peer watch closes each with one line
-  saying why (the forged hello: not proving the run's secret; the silent one after
+  nothing for `HELLO_SECONDS` + 3 s, while the run trains on. The peer watch closes each
+  with one line saying why (the forged hello: not proving the run's secret; the silent one after
   `HELLO_SECONDS`), and the run goes on.
 
   A hang: then process 1 blocks forever at the start of its next step (the test hook
@@ -486,8 +487,8 @@ def test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process(tm
     assert watch in ports, (watch, ports)
     seen = {}
 
-    def connect(p, payload):
-      seen[p, payload] = stranger(p, payload, hold=30 if payload is None else 5)
+    def connect(p, payload):  # The silent one outlasts the watch's deadline by 3 s.
+      seen[p, payload] = stranger(p, payload, hold=SILENT if payload is None else 5)
     threads = [threading.Thread(target=connect, args=(p, x)) for p in ports for x in PAYLOADS]
     for t in threads:
       t.start()
@@ -504,7 +505,7 @@ def test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process(tm
       run.p.kill()
   print(f"process 0 listens on {sorted(ports | {port})}; coordinator {port}, peer watch {watch}")
   assert all(seen[watch, x][0].startswith(b"zerojax-peer-watch ") for x in PAYLOADS), seen
-  assert peers.HELLO_SECONDS - 0.5 <= seen[watch, None][1] < 30, seen
+  assert peers.HELLO_SECONDS - 0.5 <= seen[watch, None][1] < SILENT - 1, seen
   refused = [x for x in run.err if "peer watch refused a connection" in x]
   assert len(refused) == 6 and all(x.startswith("[0] ") for x in refused), refused
   assert sum("not a peer's hello" in x for x in refused) == 4, refused  # Garbage too.
