@@ -14,9 +14,9 @@ by `lax.cond` inside the layer loop), heads of 128 scored at 168 ** -0.5.
 Compiled by XLA's GPU compiler for 4 x H100 80GB (`python -m zerojax.memory --config
 configs/gemma3_27b_4x80gb.py --target h100:4 --compile`, no GPU needed; the
 `gpu-compile` extra): 37.73 GiB of state + 14.21 GiB of temporaries = 51.94 GiB a
-device of the 74.72 XLA's allocator has; the planner's estimate 55.17 GiB (1.062). The
+device of the 74.72 XLA's allocator has; the planner's estimate 53.47 GiB (1.030). The
 fewest cards: 3 (`--config.mesh.fsdp=3 --config.train.global_batch_size=3 --target
-h100:3`: 63.52 GiB compiled, planner 1.084); on 2 the state alone is 75.5 GiB. Not run
+h100:3`: 63.52 GiB compiled, planner 1.049); on 2 the state alone is 75.5 GiB. Not run
 on GPUs yet.
 """
 

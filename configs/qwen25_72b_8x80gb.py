@@ -13,7 +13,7 @@ Compiled by XLA's GPU compiler for 8 x H100 80GB (`python -m zerojax.memory --co
 configs/qwen25_72b_8x80gb.py --target h100:8 --compile`, no GPU needed; the `gpu-compile`
 extra): 50.78 GiB of state + 14.41 GiB of temporaries = 65.19 GiB a device (the Llama
 70B recipe: 62.58), where XLA's allocator has 74.72 GiB of an H100 as train.py runs it;
-the planner's estimate 68.78 GiB (1.055). Not run on GPUs yet.
+the planner's estimate 67.21 GiB (1.031). Not run on GPUs yet.
 """
 
 import ml_collections

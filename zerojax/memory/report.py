@@ -106,7 +106,7 @@ def host_link(e: Estimate, spec, bandwidth: float, peak: float, mfu: float) -> b
   return bus.bus(e.setup, e.host, spec and links.of(spec.target.name), bandwidth, peak, mfu)
 
 
-def _labels(s: RunSpec) -> dict:
+def _labels(s: RunSpec, gpu: bool = False) -> dict:
   b = s.behaviour
   shard = lambda on: f", /{s.fsdp}" if on else ""
   params = ""
@@ -117,7 +117,8 @@ def _labels(s: RunSpec) -> dict:
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
                b.grad_reduction, "whole + fp32 params")
   if s.release:
-    grads = "non-layer + one layer, x2"
+    fused = gpu and b.shards_params and s.fsdp > 1  # The cast in the gather: memory.step.
+    grads = "non-layer + one layer" + ("" if fused else ", x2")
   buffer_dtype = "float32" if s.update_rule == "master" else s.param_dtype
   return {
       "params": f"params ({s.param_dtype}{shard(b.shards_params)}{params})",
@@ -189,7 +190,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
       text += f" {fmt_bytes(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")
     lines.append(text)
 
-  labels = _labels(s)
+  labels = _labels(s, gpu)
   for key in ("params", "optimizer", "update buffer", "batch"):
     if key in e.components:
       row(" ", labels[key], e.components[key])
@@ -346,7 +347,8 @@ def _main(argv: list[str]) -> int:
   compiled = attributed = None
   if args.compile:
     compiled, attributed = compile_and_attribute(config, e, spec)
-  found = suggestions(e.setup, **fit)
+  with for_target(spec):  # Each suggestion's estimate is the target's too.
+    found = suggestions(e.setup, **fit)
   generation = generation_cache(config, args.devices, args.generate, p.error)
   fits = e.fits_device if not (spec and compiled) else (
       compiled["arguments"] + compiled["temporaries"] <= device_memory)
