@@ -1,0 +1,182 @@
+"""A mixture-of-experts feed-forward block's parts: the router, the experts' dispatch
+(dropless or at a capacity), and the auxiliary losses, as pure functions of arrays.
+
+Shapes: N tokens (batch x positions, flattened), D model width, E experts of hidden
+width F, k experts a token. The experts' weights are stacked on a leading expert axis,
+in the decoder's [in, out] kernel layout: gate and up [E, D, F], down [E, F, D].
+
+Routing follows Qwen3-MoE and Mixtral as transformers computes them: a softmax over
+the router's fp32 logits, the k largest probabilities and their experts, renormalized
+to sum to 1 when `norm_topk_prob` (Qwen3-MoE's option; Mixtral always renormalizes:
+its softmax over the top-k logits is the same thing).
+
+Dispatch:
+- `dropless`: every token reaches each of its k experts. The N x k assignments are
+  sorted by expert and each expert's run goes through its weights in one grouped matmul
+  (`jax.lax.ragged_dot`): no token dropped and no padding; the shapes depend only on N.
+- `capacity`: each expert takes at most C = ceil(factor x N x k / E) assignments (the
+  first in token order), gathered into an [E, C, D] buffer and computed as batched
+  matmuls; the others contribute nothing. Static [E, C, D] blocks are what an all-to-all
+  between expert-parallel devices moves.
+
+`dense_reference` runs every token through its experts with per-token weight gathers:
+the slow, obviously right version the tests hold the others to.
+"""
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+  """Where each token goes.
+
+  Attributes:
+    logits: float32[N, E], the router's logits (the auxiliary losses read them).
+    experts: int32[N, k], each token's experts, most probable first.
+    weights: float32[N, k], the weight of each expert's output in the token's sum.
+  """
+  logits: jax.Array
+  experts: jax.Array
+  weights: jax.Array
+
+
+class Experts(NamedTuple):
+  """The experts' stacked kernels: gate, up [E, D, F] and down [E, F, D]."""
+  gate: jax.Array
+  up: jax.Array
+  down: jax.Array
+
+
+def route(x: jax.Array, router: jax.Array, k: int, norm_topk_prob: bool = True) -> Routing:
+  """Top-k routing of tokens x [N, D] by the router kernel [D, E], in fp32.
+
+  Ties between equal probabilities go to the lower expert index, as `torch.topk` on CPU
+  and `jax.lax.top_k` both do.
+  """
+  logits = jnp.dot(x, router, preferred_element_type=jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  weights, experts = jax.lax.top_k(probs, k)
+  if norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return Routing(logits, experts.astype(jnp.int32), weights)
+
+
+def _mlp(h_gate: jax.Array, h_up: jax.Array, act: Callable) -> jax.Array:
+  return act(h_gate) * h_up  # GLU: act(x W_gate) * (x W_up), as the dense MLP.
+
+
+def dropless(x: jax.Array, routing: Routing, experts: Experts,
+             act: Callable = jax.nn.silu) -> jax.Array:
+  """Every token through each of its k experts, weighted and summed: [N, D] in x's dtype.
+
+  The N x k (token, expert) assignments are sorted by expert (stable: token order within
+  an expert), so each expert's tokens are one contiguous run and `ragged_dot` multiplies
+  run e by expert e's kernel. The outputs are weighted in fp32 and scattered back onto
+  their tokens (a token's k contributions summed in fp32).
+  """
+  n, k = routing.experts.shape
+  n_experts = experts.gate.shape[0]
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # Assignment ids sorted by expert.
+  tokens = order // k
+  sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # Tokens per expert.
+  xs = x[tokens]  # [N k, D], expert by expert.
+  dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)  # noqa: E731
+  h = _mlp(dot(xs, experts.gate), dot(xs, experts.up), act).astype(x.dtype)
+  y = dot(h, experts.down) * routing.weights.reshape(-1)[order][:, None]
+  return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y).astype(x.dtype)
+
+
+def capacity(n: int, k: int, n_experts: int, factor: float) -> int:
+  """Assignments each expert takes at `factor`: ceil(factor x N x k / E), at most N."""
+  return min(n, math.ceil(factor * n * k / n_experts))
+
+
+def with_capacity(x: jax.Array, routing: Routing, experts: Experts, factor: float,
+                  act: Callable = jax.nn.silu) -> tuple[jax.Array, jax.Array]:
+  """Like `dropless`, but each expert takes at most `capacity(...)` assignments.
+
+  An expert's assignments are taken in token order (and, for one token, its most
+  probable expert first); those past the capacity are dropped: they add nothing to the
+  token's output (a token with all k dropped passes through the block as 0).
+
+  Returns:
+    ([N, D] in x's dtype, int32[] the number of assignments dropped).
+  """
+  n, k = routing.experts.shape
+  n_experts = experts.gate.shape[0]
+  c = capacity(n, k, n_experts, factor)
+  onehot = jax.nn.one_hot(routing.experts.reshape(-1), n_experts, dtype=jnp.int32)  # [N k, E]
+  slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # Rank within expert.
+  kept = slot < c
+  flat = routing.experts.reshape(-1)
+  # Dropped assignments write to an extra slot c, sliced off below.
+  where = (flat, jnp.where(kept, slot, c))
+  tokens = jnp.arange(n * k) // k
+  blocks = jnp.zeros((n_experts, c + 1, x.shape[-1]), x.dtype).at[where].set(x[tokens])[:, :c]
+  mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32)  # noqa: E731
+  h = _mlp(mm(blocks, experts.gate), mm(blocks, experts.up), act).astype(x.dtype)
+  y = jnp.pad(mm(h, experts.down), ((0, 0), (0, 1), (0, 0)))[where]  # [N k, D]; dropped: 0.
+  y = y * (routing.weights.reshape(-1) * kept)[:, None]
+  out = jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y).astype(x.dtype)
+  return out, jnp.sum(~kept).astype(jnp.int32)
+
+
+def dense_reference(x: jax.Array, routing: Routing, experts: Experts,
+                    act: Callable = jax.nn.silu) -> jax.Array:
+  """Each token through its k experts by gathering their kernels per token (fp32)."""
+  x32 = x.astype(jnp.float32)
+  out = jnp.zeros(x.shape, jnp.float32)
+  for j in range(routing.experts.shape[1]):
+    e = routing.experts[:, j]
+    g, u, d = (w.astype(jnp.float32)[e] for w in experts)
+    h = _mlp(jnp.einsum("nd,ndf->nf", x32, g), jnp.einsum("nd,ndf->nf", x32, u), act)
+    out = out + routing.weights[:, j, None] * jnp.einsum("nf,nfd->nd", h, d)
+  return out
+
+
+def tokens_per_expert(routing: Routing, n_experts: int) -> jax.Array:
+  """int32[E]: how many assignments each expert received (the metrics' load)."""
+  return jnp.bincount(routing.experts.reshape(-1), length=n_experts).astype(jnp.int32)
+
+
+def load_balancing_loss(logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
+  """The auxiliary load-balancing loss as transformers computes it (Switch Transformer's,
+  over every layer's router together), before `router_aux_loss_coef`.
+
+  E x sum_e f_e p_e, where f_e is the number of top-k assignments to expert e and p_e
+  the sum of its softmax probability, each over every layer's tokens and divided by
+  (layers x tokens); masked tokens (padding) count in neither.
+
+  Args:
+    logits: float[L, N, E], each layer's router logits.
+    k: experts a token.
+    mask: float or bool [N], 1 for a token that counts (None: all).
+
+  Returns:
+    float32 scalar.
+  """
+  n_experts = logits.shape[-1]
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  _, chosen = jax.lax.top_k(probs, k)
+  m = jnp.ones(logits.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  counts = jnp.sum(jax.nn.one_hot(chosen, n_experts) * m[None, :, None, None], axis=(0, 1, 2))
+  prob_sums = jnp.sum(probs * m[None, :, None], axis=(0, 1))
+  rows = logits.shape[0] * jnp.sum(m)
+  return n_experts * jnp.sum((counts / rows) * (prob_sums / rows))
+
+
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (fp32).
+
+  Args:
+    logits: float[..., N, E].
+    mask: float or bool [N] (None: all tokens).
+  """
+  z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
+  m = jnp.ones(z.shape[-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  return jnp.sum(z * m) / (jnp.sum(m) * math.prod(z.shape[:-1]))
