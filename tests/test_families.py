@@ -204,12 +204,19 @@ def test_train_py_trains_each_family_quick_start_from_its_imported_checkpoint(ck
 @pytest.mark.parametrize("ckpt", ["qwen2", "qwen3", "mistral", "gemma3"], indirect=True)
 def test_the_cache_is_the_uncached_model_and_greedy_decoding_agrees(ckpt):
   """`extend` over an 8-token prompt (past Gemma's window of 4 and Mistral's 5), then one
-  token at a time, gives the whole sequence's logits (1e-5). Gemma 3's (the mixed
-  stack): `generate`'s greedy tokens after a 9-token prompt are also the uncached
-  model's argmax over the final buffer (the decoder's program is test_generate.py's)."""
+  token at a time, gives the whole sequence's logits (1e-5), the local layers keeping
+  only their window (a ring of 4 or 5 slots, not 16). Gemma 3's (the mixed stack):
+  `generate`'s greedy tokens after right-padded prompts of 9, 3 and 6 tokens (longer
+  and shorter than the window) are the uncached model's argmax over each final buffer
+  (the decoder's program is test_generate.py's)."""
   model, params, tokens = ckpt.model, ckpt.params, jnp.asarray(ckpt.tokens)
   c = model.config
-  cache = tuple(jnp.zeros((c.n_layers, 2, 16, c.n_kv_heads, c.head_dim)) for _ in range(2))
+  cache = llama.init_cache(c, 2, 16)
+  local = sum(c.local_layers)
+  assert (cache.window_keys is None) == (local == 0)
+  if local:
+    assert cache.window_keys.shape == (local, 2, c.sliding_window, c.n_kv_heads, c.head_dim)
+  assert (cache.keys is None) == (local == c.n_layers)
   extend = jax.jit(model.extend)
   got, cache = extend(params, tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
   got = [got]
@@ -220,11 +227,12 @@ def test_the_cache_is_the_uncached_model_and_greedy_decoding_agrees(ckpt):
   assert np.abs(np.concatenate(got, 1) - whole).max() < 1e-5
   if not c.mixed_layers:
     return
-  prompt = ckpt.tokens[0, :9].tolist()
-  out = generate.generate(model, params, [prompt], 6).tokens[0]
-  buffer = jnp.asarray([prompt + out.tolist()])
-  argmax = np.argmax(np.asarray(jax.jit(model.logits)(params, buffer)), axis=-1)[0]
-  np.testing.assert_array_equal(out, argmax[len(prompt) - 1:-1])
+  prompts = [ckpt.tokens[0, :9].tolist(), ckpt.tokens[1, :3].tolist(), ckpt.tokens[1, 2:8].tolist()]
+  outs = generate.generate(model, params, prompts, 6).tokens
+  for prompt, out in zip(prompts, outs):
+    buffer = jnp.asarray([prompt + out.tolist()])
+    argmax = np.argmax(np.asarray(jax.jit(model.logits)(params, buffer)), axis=-1)[0]
+    np.testing.assert_array_equal(out, argmax[len(prompt) - 1:-1])
 
 
 # ------------------------------------------------------------- sliding-window kernels
@@ -303,6 +311,40 @@ def test_windowed_cached_attention_reads_only_the_window(qkv):
   positions = jnp.broadcast_to(jnp.arange(20, 24), (2, 4))
   got = attention.cached_attention(q[:, 20:24], k, v, positions, attention.Mask(window=5))
   np.testing.assert_allclose(got, _reference(q, k, v, 5, 8 ** -0.5)[:, 20:24], atol=1e-5)
+
+
+def test_a_ring_of_the_window_is_the_dense_windowed_reference(qkv):
+  """A local layer's cache kept as a ring of W = 5 slots (`attention.ring_sources`,
+  `ring_write`, `ring_attention`): 32 positions fed as chunks of 7 (longer than the ring),
+  1, 1, 3, 20, the first chunk's last 2 tokens padding (not valid: they must not evict the
+  row's last tokens, and the next chunk starts at their positions again), equal the dense
+  windowed reference at every real position (1e-5)."""
+  q, k, v, _ = qkv
+  B, W = q.shape[0], 5
+  ring_k = jnp.zeros((B, W, *k.shape[2:]), k.dtype)
+  ring_v, held = jnp.zeros_like(ring_k), jnp.full((B, W), -1, jnp.int32)
+  want = _reference(q, k, v, W, 8 ** -0.5)
+
+  @jax.jit
+  def chunk(q, k, v, ring_k, ring_v, held, positions, valid):
+    out = attention.ring_attention(q, k, v, ring_k, ring_v, held, positions,
+                                   attention.Mask(window=W))
+    sources, held = attention.ring_sources(held, positions, valid)
+    return out, attention.ring_write(ring_k, k, sources), attention.ring_write(
+        ring_v, v, sources), held
+
+  start, got = 0, []
+  for size, pad in [(7, 2), (1, 0), (1, 0), (3, 0), (20, 0)]:
+    at = slice(start, start + size)
+    positions = jnp.broadcast_to(jnp.arange(start, start + size), (B, size))
+    valid = jnp.broadcast_to(jnp.arange(size) < size - pad, (B, size))
+    junk = lambda x: jnp.where(valid[..., None, None], x[:, at], 50.0)  # noqa: E731 (padding)
+    out, ring_k, ring_v, held = chunk(q[:, at], junk(k), junk(v), ring_k, ring_v, held,
+                                      positions, valid)
+    got.append(out[:, :size - pad])
+    start += size - pad
+  assert start == 30
+  np.testing.assert_allclose(jnp.concatenate(got, 1), want[:, :start], atol=1e-5)
 
 
 # ------------------------------------------------------------ configs and refusals

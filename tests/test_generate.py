@@ -98,7 +98,8 @@ def test_the_cache_is_the_uncached_model_position_by_position():
   sequence at once (random init: this compares logits, not argmaxes)."""
   params = MODEL.init(jax.random.key(3))
   tokens = jax.random.randint(jax.random.key(4), (3, 20), 0, V)
-  cache = tuple(jnp.zeros((2, 3, 32, 2, 16), jnp.float32) for _ in range(2))
+  cache = llama.init_cache(MODEL.config, 3, 32)
+  assert cache.keys.shape == (2, 3, 32, 2, 16) and cache.window_keys is None  # No window.
   extend = jax.jit(MODEL.extend)
   got, cache = extend(params, tokens[:, :12], jnp.broadcast_to(jnp.arange(12), (3, 12)), cache)
   got = [got]
@@ -132,12 +133,13 @@ def test_stage_3_on_8_devices_gives_the_replicated_tokens_with_the_cache_on_the_
       state.params, tokens, lengths, np.full(8, -1, np.int32), np.int32(4), np.int32(0),
       sampling.as_arrays(generate.Sampling()), 64)
   assert count.tolist() == [4] * 3 + [0] * 13
-  for x in kv:
+  assert kv.window_keys is None and kv.held is None  # Llama: no local layers.
+  for x in kv[:2]:
     assert x.shape == (2, 16, 64, 2, 16)
     assert tuple(x.sharding.spec) == (None, ("data", "fsdp"), None, None, None)
     assert len(x.sharding.device_set) == 8
     assert {s.data.nbytes for s in x.addressable_shards} == {x.nbytes // 8}
-  assert generate.cache_bytes(CONFIG, 16, 64, 8) == sum(x.nbytes for x in kv) // 8
+  assert generate.cache_bytes(CONFIG, 16, 64, 8) == sum(x.nbytes for x in kv[:2]) // 8
   assert generate.cache_bytes(CONFIG, 16, 64) == 2 * 2 * 16 * 64 * 2 * 16 * 4
 
 

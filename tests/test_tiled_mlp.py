@@ -5,7 +5,6 @@ at stage 3), the config's check, and the [T, d_ff] buffers gone from the compile
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -64,7 +63,7 @@ def test_generation_tiles_a_prompt_and_a_decode_step():
   params = random_params(c)
   tokens = np.random.RandomState(3).randint(0, c.vocab_size, (2, 8)).astype(np.int32)
   positions = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-  empty = tuple(jnp.zeros((c.n_layers, 2, 8, c.n_kv_heads, c.head_dim)) for _ in range(2))
+  empty = llama.init_cache(c, 2, 8)
 
   def generate(config):
     run = jax.jit(lambda t, pos, cache: llama.extend(config, params, t, pos, cache))

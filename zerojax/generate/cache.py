@@ -1,27 +1,27 @@
 """The KV cache of `zerojax.generate`: its state, layout on the mesh and size.
 
-Layout: [L, B, S, K, Dh] per keys and values, in the model's compute dtype, each token at
-its own position (slot s of row b holds the token at RoPE position s). On the plan's mesh
-the batch is split over every data axis, as training splits its batch: the decoder
-rounds its batch up to a multiple of those devices (`decode.batch_bucket`), so the split
-always divides and attention needs no communication (each device attends over its own
-rows). Splitting KV heads instead would put an all-gather of the attention output in
-every layer of every step, and K (8 for Llama 3) rarely divides a training mesh;
-splitting the sequence would make every step's softmax a cross-device reduction.
+Layout (`zerojax.models.llama.KVCache`): keys and values [L, B, S, K, Dh] in the model's
+compute dtype, each token at its own position (slot s of row b holds the token at RoPE
+position s); a model's sliding-window layers keep only their window, a ring of min(W, S)
+slots. On the plan's mesh the batch is split over every data axis, as training splits its
+batch: the decoder rounds its batch up to a multiple of those devices
+(`decode.batch_bucket`), so the split always divides and attention needs no
+communication (each device attends over its own rows). Splitting KV heads instead would
+put an all-gather of the attention output in every layer of every step, and K (8 for
+Llama 3) rarely divides a training mesh; splitting the sequence would make every step's
+softmax a cross-device reduction.
 """
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from zerojax.models.llama import KVCache, cache_layout, init_cache
 
-class KVCache(NamedTuple):
-  """Keys and values of every layer: each [L, B, S, K, Dh] in the compute dtype."""
-  keys: jax.Array
-  values: jax.Array
+__all__ = ["KVCache", "cache_bytes", "check_model", "init", "shardings", "spec"]
 
 
 def check_model(model: Any) -> None:
@@ -32,29 +32,27 @@ def check_model(model: Any) -> None:
                     "generate.greedy(model.logits, ...) decodes any model without a cache")
 
 
-def shape(config: Any, batch: int, length: int) -> tuple[int, int, int, int, int]:
-  """(L, B, S, K, Dh) of a Llama config's cache for `batch` rows of `length` tokens."""
-  return (config.n_layers, batch, length, config.n_kv_heads, config.head_dim)
-
-
 def init(config: Any, batch: int, length: int) -> KVCache:
-  """A zero cache (inside the decoder's `shard_map`: `batch` is this device's rows)."""
-  zeros = jnp.zeros(shape(config, batch, length), config.compute_dtype)
-  return KVCache(zeros, zeros)
+  """An empty cache (inside the decoder's `shard_map`: `batch` is this device's rows)."""
+  return init_cache(config, batch, length)
 
 
-def spec(data_axes: tuple[str, ...]) -> P:
-  """The cache's PartitionSpec: batch over the data axes (see the module docstring)."""
-  return P(None, data_axes, None, None, None)
+def spec(config: Any, data_axes: tuple[str, ...]) -> KVCache:
+  """The cache's PartitionSpecs: batch over the data axes (see the module docstring)."""
+  layout = cache_layout(config, 1, 1)
+  stack = lambda s: None if s is None else P(None, data_axes, None, None, None)  # noqa: E731
+  return KVCache(*(stack(s) for s in layout[:4]), None if layout.held is None else
+                 P(data_axes, None))
 
 
-def shardings(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> KVCache:
-  s = NamedSharding(mesh, spec(data_axes))
-  return KVCache(s, s)
+def shardings(config: Any, mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> KVCache:
+  return jax.tree.map(lambda p: NamedSharding(mesh, p), spec(config, data_axes))
 
 
 def cache_bytes(config: Any, batch: int, length: int, devices: int = 1) -> int:
-  """The KV cache's bytes per device: 2 x L x B x S x K x Dh x dtype bytes over `devices`.
+  """The KV cache's bytes per device: keys and values of every layer, `length` positions
+  on a global layer and min(window, length) on a local one (plus the ring's int32
+  positions), over `devices`.
 
   Args:
     config: a `LlamaConfig` (its compute dtype is the cache's).
@@ -64,7 +62,9 @@ def cache_bytes(config: Any, batch: int, length: int, devices: int = 1) -> int:
     devices: the devices the batch is split over (the plan's data axes).
 
   Returns:
-    Bytes on each device, keys and values together.
+    Bytes on each device.
   """
-  rows = -(-batch // devices)
-  return 2 * math.prod(shape(config, rows, length)) * jnp.dtype(config.compute_dtype).itemsize
+  layout = cache_layout(config, -(-batch // devices), length)
+  item = jnp.dtype(config.compute_dtype).itemsize
+  return sum(math.prod(s) * (4 if i == 4 else item) for i, s in enumerate(layout)
+             if s is not None)

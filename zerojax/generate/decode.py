@@ -132,7 +132,7 @@ def _decode(model, plan, gather, params, tokens, lengths, stops, max_new, seed, 
 
   carry = (jnp.int32(1), first, done, out, count, kv, everywhere(done))
   _, _, _, out, count, kv, _ = jax.lax.while_loop(more, one, carry)
-  return out, count, cache_lib.KVCache(*kv)
+  return out, count, kv
 
 
 _programs: dict = {}
@@ -147,26 +147,26 @@ def decoder(model: Any, plan: zero.ZeroPlan, gather: str = "auto") -> Any:
     unused row), B a multiple of the data devices; stops int32[n] (-1: none); max_new,
     seed int32 scalars; settings a `Sampling` of scalars; S >= T + max_new - 1 (static).
     Gives (int32[B, S] new tokens (0 after a stop), int32[B] counts, the final
-    `KVCache` [L, B, S, K, Dh], batch over the data axes).
+    `KVCache` (`zerojax.models.llama`), batch over the data axes).
   """
   cache_lib.check_model(model)
   gather = choose_gather(plan, gather)
   key = (model, id(plan), gather)
   if key not in _programs:
     rows = P(plan.data_axes)
-    kv = cache_lib.spec(plan.data_axes)
+    kv = cache_lib.spec(model.config, plan.data_axes)
 
     def run(params, tokens, lengths, stops, max_new, seed, settings, total):
       body = functools.partial(_decode, model, plan, gather, total=total)
       return jax.shard_map(body, mesh=plan.mesh, check_vma=False,
                            in_specs=(plan.param_specs, rows, rows, P(), P(), P(), P()),
-                           out_specs=(rows, rows, cache_lib.KVCache(kv, kv)))(
+                           out_specs=(rows, rows, kv))(
                                params, tokens, lengths, stops, max_new, seed, settings)
 
     row, one = NamedSharding(plan.mesh, rows), NamedSharding(plan.mesh, P())
     program = jax.jit(run, static_argnums=7, in_shardings=(
         plan.param_shardings, row, row, one, one, one, one),
-        out_shardings=(row, row, cache_lib.shardings(plan.mesh, plan.data_axes)))
+        out_shardings=(row, row, cache_lib.shardings(model.config, plan.mesh, plan.data_axes)))
     _programs[key] = (plan, program)  # The plan kept alive: its id stays its own.
   return _programs[key][1]
 

@@ -215,3 +215,70 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   out = _masked_attention(q.reshape(B, T, K, H // K, Dh), k, v, visible[:, None, None],
                           mask.scale)
   return out.reshape(B, T, H, Dh)
+
+
+
+# A local layer's KV cache is a ring of R slots (R = its window, or fewer positions):
+# the token at position p lives in slot p mod R, and `held` records which position each
+# slot holds (-1: none), so the cache of a 128K-token generation keeps 1024 positions on
+# Gemma 3's local layers instead of 128K.
+
+
+def ring_sources(held: jax.Array, positions: jax.Array, valid: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Which new token each ring slot takes after new tokens at `positions`.
+
+  Slot r takes the newest valid position p = r (mod R), if this call brings it; a slot
+  keeps what it holds otherwise. A gather, not a scatter: a prompt longer than the ring
+  maps several tokens to one slot, and only the newest may land there.
+
+  Args:
+    held: int32[B, R], the position in each slot before the call (-1: empty).
+    positions: int32[B, T], the new tokens' positions, consecutive in each row.
+    valid: bool[B, T], a prefix of each row: the tokens to keep (a prefill's padding
+      after a row's prompt must not evict its last tokens).
+
+  Returns:
+    (int32[B, R] the index in T each slot takes, -1 to keep; int32[B, R] the new `held`).
+  """
+  R = held.shape[1]
+  newest = jnp.max(jnp.where(valid, positions, -1), axis=1, keepdims=True)  # [B, 1]
+  at = newest - jnp.mod(newest - jnp.arange(R), R)  # Newest position of each slot's class.
+  take = (at >= positions[:, :1]) & (newest >= 0)
+  return jnp.where(take, at - positions[:, :1], -1), jnp.where(take, at, held)
+
+
+def ring_write(ring: jax.Array, new: jax.Array, sources: jax.Array) -> jax.Array:
+  """The ring [B, R, K, Dh] with slot r replaced by new[:, sources[:, r]] where >= 0."""
+  taken = jnp.take_along_axis(new, jnp.maximum(sources, 0)[..., None, None], axis=1)
+  return jnp.where((sources >= 0)[..., None, None], taken.astype(ring.dtype), ring)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, ring_k: jax.Array,
+                   ring_v: jax.Array, held: jax.Array, positions: jax.Array,
+                   mask: Mask) -> jax.Array:
+  """Sliding-window attention of new queries against a ring cache and the new tokens.
+
+  The keys are the ring's (at the positions it held before this call) and the new
+  tokens' own, so a prompt longer than the ring attends within its window exactly as
+  the uncached model does.
+
+  Args:
+    q: [B, T, H, Dh]; k, v: [B, T, K, Dh], the new tokens' (rotated) keys and values.
+    ring_k, ring_v: [B, R, K, Dh], the ring before the new tokens are written.
+    held: int32[B, R], each slot's position (-1: empty); positions: int32[B, T].
+    mask: the window (required) and the score scale.
+
+  Returns:
+    [B, T, H, Dh] in q's dtype.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  keys = jnp.concatenate([ring_k, k.astype(ring_k.dtype)], axis=1)
+  values = jnp.concatenate([ring_v, v.astype(ring_v.dtype)], axis=1)
+  key_pos = jnp.concatenate([held, positions], axis=1)[:, None, :]  # [B, 1, R + T]
+  visible = ((key_pos >= 0) & (key_pos <= positions[..., None])
+             & _in_window(positions, key_pos[:, 0], mask.window))
+  out = _masked_attention(q.reshape(B, T, K, H // K, Dh), keys, values, visible[:, None, None],
+                          mask.scale)
+  return out.reshape(B, T, H, Dh)

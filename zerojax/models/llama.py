@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -38,7 +38,15 @@ from flax.core import FrozenDict
 from zerojax import sequence
 from zerojax.layered import LayeredLoss
 from zerojax.models import chunked_loss, tiled
-from zerojax.models.attention import Mask, attention_kernel, cached_attention, causal_attention
+from zerojax.models.attention import (
+  Mask,
+  attention_kernel,
+  cached_attention,
+  causal_attention,
+  ring_attention,
+  ring_sources,
+  ring_write,
+)
 from zerojax.models.remat import POLICIES, named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from zerojax.stage3 import gather, scan_layers
@@ -286,9 +294,11 @@ class Attention(nn.Module):
                local: jax.Array | None = None) -> Any:
     """[B, T, D] (compute dtype) -> [B, T, D]; cos, sin: float32[(B,) T, Dh]; segment_ids:
     int32[B, T] or None (a position attends only to its own segment). With `cache` =
-    (keys, values [B, S, K, Dh] compute dtype, positions int32[B, T]): the new keys and
-    values written at `positions`, attention over the cache; returns (out, (keys, values)).
-    `local`: bool[], this layer's kind in a stack that mixes them (else None).
+    (keys, values [B, S, K, Dh] compute dtype, positions int32[B, T], ring): ring None,
+    the new keys and values written at `positions` and attention over the cache; a local
+    layer's ring (held int32[B, S], sources int32[B, S]: `KVCache`), attention over the
+    ring and the new tokens, then each slot written from its source. Returns (out, (keys,
+    values)). `local`: bool[], this layer's kind in a stack that mixes them (else None).
     """
     c = self.config
     B, T, _ = x.shape
@@ -301,8 +311,13 @@ class Attention(nn.Module):
     if c.qk_norm:  # Per head, before RoPE (HF's q_norm, k_norm).
       q, k = _norm(c, "q_norm", "head_dim")(q), _norm(c, "k_norm", "head_dim")(k)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is not None:
-      keys, values, positions = cache
+    if cache is not None and cache[3] is not None:  # A local layer's ring.
+      keys, values, positions, (held, sources) = cache
+      scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
+      out = ring_attention(q, k, v, keys, values, held, positions, Mask(c.sliding_window, scale))
+      keys, values = ring_write(keys, k, sources), ring_write(values, v, sources)
+    elif cache is not None:
+      keys, values, positions, _ = cache
       at = (jnp.arange(B)[:, None], positions)  # A row's positions out of range: dropped.
       keys = keys.at[at].set(k.astype(keys.dtype), mode="drop")
       values = values.at[at].set(v.astype(values.dtype), mode="drop")
@@ -387,44 +402,110 @@ def apply_block(config: LlamaConfig, params: Params, x: Any, cos: jax.Array,
                 sin: jax.Array, segment_ids: jax.Array | None = None,
                 cache: tuple | None = None) -> Any:
   """One decoder layer with its own (whole) params: [B, T, D] -> [B, T, D] (the carry and
-  tables of a mixed stack: see `Block`); with a `cache` (keys, values, positions: see
-  `Attention`), (x, the updated (keys, values))."""
+  tables of a mixed stack: see `Block`); with a `cache` (keys, values, positions, ring:
+  see `Attention`), (x, the updated (keys, values))."""
   x, cache = Block(config, parent=None).apply({"params": params}, x, (cos, sin), segment_ids,
                                               cache)
   return x if cache is None else (x, cache)
 
 
+class KVCache(NamedTuple):
+  """The KV cache of `extend`: each layer's keys and values, in the compute dtype.
+
+  Layers that attend to every position (global) keep them all; local (sliding-window)
+  layers keep a ring of their window's latest positions (`attention.ring_sources`), so
+  their bytes do not grow with the generated length. A kind the model lacks is None.
+
+  Attributes:
+    keys, values: [L_global, B, S, K, Dh]; slot s of row b holds position s.
+    window_keys, window_values: [L_local, B, R, K, Dh], R = min(window, S); slot r holds
+      the latest position p = r (mod R).
+    held: int32[B, R], the position in each ring slot (-1: empty), the same on every
+      local layer.
+  """
+  keys: jax.Array | None
+  values: jax.Array | None
+  window_keys: jax.Array | None
+  window_values: jax.Array | None
+  held: jax.Array | None
+
+
+def cache_layout(config: LlamaConfig, batch: int, length: int) -> KVCache:
+  """The cache's shapes (tuples; None for a kind the model lacks) for `batch` rows of
+  `length` positions: see `KVCache`."""
+  local = sum(config.local_layers)
+  K, Dh = config.n_kv_heads, config.head_dim
+  whole = (config.n_layers - local, batch, length, K, Dh) if local < config.n_layers else None
+  ring = (local, batch, min(config.sliding_window, length), K, Dh) if local else None
+  return KVCache(whole, whole, ring, ring, ring and ring[1:3])
+
+
+def init_cache(config: LlamaConfig, batch: int, length: int) -> KVCache:
+  """An empty cache (zeros; every ring slot held by no position)."""
+  layout = cache_layout(config, batch, length)
+  zeros = lambda s: None if s is None else jnp.zeros(s, config.compute_dtype)  # noqa: E731
+  held = None if layout.held is None else jnp.full(layout.held, -1, jnp.int32)
+  return KVCache(*(zeros(s) for s in layout[:4]), held)
+
+
 def extend(config: LlamaConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-           cache: tuple, last: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+           cache: KVCache, last: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
   """The model over new tokens against a KV cache (prefill, or one decode step): training's
   blocks (`apply_block` with a cache) one layer at a time, each layer's params (leaves may
   be `zerojax.Sharded`) through `gather` (stage 3 in a `shard_map`: one layer's all-gather).
 
   Args:
-    tokens: int32[B, T] at positions int32[B, T] (RoPE angles and cache slots).
-    cache: (keys, values), each [L, B, S, K, Dh] in the compute dtype.
-    last: int32[B]: logits only at tokens[b, last[b]] (a prefill: not [B, T, V] in fp32).
+    tokens: int32[B, T] at positions int32[B, T] (RoPE angles and cache slots), each row's
+      consecutive.
+    cache: a `KVCache` (`init_cache`).
+    last: int32[B]: logits only at tokens[b, last[b]] (a prefill: not [B, T, V] in fp32);
+      the tokens after it (a right-padded prompt's padding) stay out of the local layers'
+      rings.
 
   Returns:
-    (float32[B, T (1 with `last`), V] next-token logits, the updated (keys, values)).
+    (float32[B, T (1 with `last`), V] next-token logits, the updated `KVCache`).
   """
   rest = {k: v for k, v in params.items() if k != "layers"}
   model = Llama(config)
   x = model.apply({"params": rest}, tokens, method=Llama.embed)
   cos, sin = layer_rope(config, positions)
+  local = jnp.asarray(config.local_layers)
+  # Each layer's index among the layers of its kind (its row in that kind's stacks).
+  index = jnp.asarray([sum(k == kind for k in config.local_layers[:i])
+                       for i, kind in enumerate(config.local_layers)])
+  ring = None
+  if cache.held is not None:
+    valid = jnp.ones(positions.shape, bool) if last is None else (
+        jnp.arange(positions.shape[1]) <= last[:, None])
+    ring = (cache.held, *ring_sources(cache.held, positions, valid))
+
   # The stacks go through the loop as rows ([L, n]) and layer i's row past a barrier: else
   # XLA:GPU relays each whole stack for the all-gathers (at 70B on 8: 2 x 4.4 GiB copies).
   def layer(i, carry):
-    x, keys, values, rows = carry
+    x, kv, rows = carry
     p = jax.lax.optimization_barrier(jax.tree.map(lambda r: r[i], rows))
     p = gather(jax.tree.map(lambda r, a: r.reshape(a.shape[1:]), p, params["layers"]))
-    h, (k, v) = apply_block(config, p, stack_input(config, x, i), cos, sin,
-                            cache=(keys[i], values[i], positions))
-    return stack_output(config, h), keys.at[i].set(k), values.at[i].set(v), rows
+    j = index[i]
+
+    def attend(names, window, x, kv):  # This layer's row of the `names` stacks.
+      keys, values = (getattr(kv, n) for n in names)
+      h, (k, v) = apply_block(config, p, stack_input(config, x, i), cos, sin,
+                              cache=(keys[j], values[j], positions, window))
+      return stack_output(config, h), kv._replace(
+          **dict(zip(names, (keys.at[j].set(k), values.at[j].set(v)))))
+
+    whole = functools.partial(attend, ("keys", "values"), None)
+    windowed = functools.partial(attend, ("window_keys", "window_values"), ring and ring[:2])
+    if config.mixed_layers:
+      return (*jax.lax.cond(local[i], windowed, whole, x, kv), rows)
+    return (*(windowed if ring else whole)(x, kv), rows)
+
   rows = jax.tree.map(lambda a: a.reshape(len(a), -1), params["layers"])
-  x, keys, values, _ = jax.lax.fori_loop(0, config.n_layers, layer, (x, *cache, rows))
+  x, cache, _ = jax.lax.fori_loop(0, config.n_layers, layer, (x, cache, rows))
+  if ring:
+    cache = cache._replace(held=ring[2])
   x = x if last is None else x[jnp.arange(x.shape[0]), last][:, None]
-  return model.apply({"params": rest}, x, method=Llama.head), (keys, values)
+  return model.apply({"params": rest}, x, method=Llama.head), cache
 
 
 class Llama(nn.Module):
