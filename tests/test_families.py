@@ -470,7 +470,11 @@ def _qwen3_folder(folder, **changes):
     (dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), "layer_types"),
     (dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
           final_logit_softcapping=30.0), "final_logit_softcapping"),
-    (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "Qwen3MoeForCausalLM")])
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+     "DeepseekV3ForCausalLM"),
+    (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
+          num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[0]),
+     "mlp_only_layers")])
 def test_a_feature_the_decoder_lacks_is_one_line_naming_it(tmp_path, changes, field):
   with pytest.raises(hf.HFError) as error:
     hf.config_overrides(_qwen3_folder(tmp_path, **changes))

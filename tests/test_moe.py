@@ -1,17 +1,31 @@
-"""The mixture-of-experts block's parts (`zerojax.models.moe`), under jax.jit in fp32.
+"""Mixtures of experts (`zerojax.models.moe`, the decoder's `n_experts`), under jax.jit in
+fp32.
 
-Dropless dispatch (sorted by expert, grouped matmuls) and the capacity mode equal a
-dense reference that gathers each token's experts (values 1e-6 relative, gradients
-1e-5); the router, the block's output and the load-balancing loss equal transformers'
-own Qwen3-MoE and Mixtral code on the same weights (the `hf-check` extra).
+The block's parts: dropless dispatch (sorted by expert, grouped matmuls) and the capacity
+mode equal a dense reference that gathers each token's experts (values 1e-6 relative,
+gradients 1e-5); the router, the block's output and the load-balancing loss equal
+transformers' own Qwen3-MoE and Mixtral code on the same weights. The decoder: tiny
+Qwen3-MoE and Mixtral checkpoints written by transformers in the test (random norm
+weights; the `hf-check` extra) import with fp32 logits within 1e-4 of transformers',
+the load-balancing loss is transformers' `aux_loss`, export loads back as the same class
+with the same logits; `train.py` trains the tiny MoE config on 8 devices at stage 3.
 """
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax.models import moe
+from zerojax import hf
+from zerojax.models import llama, moe
+
+from test_families import Checkpoint, _torch
+from test_train import train_here
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 N, D, E, F, K = 48, 16, 8, 12, 2
 
@@ -85,19 +99,12 @@ def test_the_router_losses(block):
   assert z == pytest.approx(lse[:, np.asarray(mask)].mean(), rel=1e-6)
 
 
-def _transformers():
-  transformers = pytest.importorskip("transformers", reason="the transformers check: pip "
-                                     "install -e '.[hf-check]' (transformers, CPU torch)")
-  torch = pytest.importorskip("torch", reason="the transformers check: a CPU torch")
-  return transformers, torch
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_the_block_and_its_aux_loss_are_transformers(family, block):
   """transformers' sparse MoE block (its own router, top-k, renormalization and expert
   loop) on the same weights; its `load_balancing_loss_func` on the same router logits,
   with and without a padding mask."""
-  transformers, torch = _transformers()
+  transformers, torch = _torch()
   x, router, experts = block
   if family == "qwen3_moe":
     from transformers.models.qwen3_moe import modeling_qwen3_moe as m
@@ -126,3 +133,92 @@ def test_the_block_and_its_aux_loss_are_transformers(family, block):
                                       None if m_ is None else torch.tensor(m_[None]))
     got = moe.load_balancing_loss(jnp.stack(logits), K, m_)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
+# ------------------------------------------------------------------- the decoder
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def ckpt(request, tmp_path_factory) -> Checkpoint:
+  """A tiny MoE checkpoint written by transformers (norm weights off their init, weights
+  at std 0.15: logits of a few units), and zerojax's fp32 import of it."""
+  transformers, torch = _torch()
+  torch.manual_seed(0)
+  common = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, initializer_range=0.15, num_experts_per_tok=2,
+                rms_norm_eps=1e-6)
+  if request.param == "qwen3_moe":
+    config = transformers.Qwen3MoeConfig(**common, intermediate_size=40, moe_intermediate_size=24,
+                                         num_experts=6, norm_topk_prob=False, head_dim=16)
+    theirs = transformers.Qwen3MoeForCausalLM(config)
+  else:
+    config = transformers.MixtralConfig(**common, intermediate_size=24, num_local_experts=6)
+    theirs = transformers.MixtralForCausalLM(config)
+  theirs = theirs.eval()
+  with torch.no_grad():
+    for p in theirs.parameters():
+      if p.ndim == 1:
+        p.add_(0.3 * torch.randn_like(p))
+  folder = str(tmp_path_factory.mktemp(request.param))
+  theirs.save_pretrained(folder)
+  model = llama.LlamaLM(hf.llama_config(folder, attention="blocked", attention_block=4,
+                                        param_dtype=jnp.float32, compute_dtype=jnp.float32))
+  params = hf.load_params(folder, jax.eval_shape(model.init, jax.random.key(0)))
+  tokens = np.random.default_rng(0).integers(0, 97, (2, 13))
+  return Checkpoint(request.param, folder, theirs, model, params, tokens,
+                    jax.jit(model.logits))
+
+
+def test_the_imported_decoder_is_transformers_logits_and_aux_loss(ckpt):
+  """config.json's experts (Qwen3-MoE without norm_topk_prob, Mixtral always
+  renormalized), fp32 logits within 1e-4, and the load-balancing loss from the layer
+  loop's router statistics equal to transformers' `aux_loss` (1e-5)."""
+  _, torch = _torch()
+  c = ckpt.model.config
+  assert (c.family, c.n_experts, c.experts_per_token) == (ckpt.name, 6, 2)
+  assert c.norm_topk_prob == (ckpt.name == "mixtral") and c.expert_d_ff == 24
+  with torch.no_grad():
+    out = ckpt.theirs(input_ids=torch.tensor(ckpt.tokens), output_router_logits=True)
+  theirs = out.logits.float().numpy()
+  ours = np.asarray(ckpt.logits(ckpt.params, ckpt.tokens))
+  assert np.abs(theirs).max() > 1.0  # Logits of a few units: 1e-4 is a real bound.
+  assert np.abs(ours - theirs).max() < 1e-4, np.abs(ours - theirs).max()
+  print(f"{ckpt.name}: logits max abs {np.abs(ours - theirs).max():.1e}")  # pytest -s
+  carry = jax.jit(lambda p, t: llama.Llama(c).apply({"params": p}, t,
+                                                     method=llama.Llama.layer_loop))(
+      ckpt.params, ckpt.tokens)
+  aux, _ = moe.losses_from_stats(carry[-1], ckpt.tokens.size, c.n_layers)
+  assert float(aux) == pytest.approx(float(out.aux_loss), rel=1e-5)
+
+
+def test_export_loads_as_the_same_class_with_the_same_logits(ckpt, tmp_path):
+  """save_params writes each expert's tensors under the family's names; transformers'
+  Auto class loads the family's class with the same logits (1e-4); config.json reads
+  back the same model keys."""
+  transformers, torch = _torch()
+  hf.save_params(ckpt.params, ckpt.model.config, str(tmp_path))
+  back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path),
+                                                           dtype=torch.float32).eval()
+  assert type(back).__name__ == type(ckpt.theirs).__name__
+  with torch.no_grad():
+    theirs = back(input_ids=torch.tensor(ckpt.tokens)).logits.float().numpy()
+  ours = np.asarray(ckpt.logits(ckpt.params, ckpt.tokens))
+  assert np.abs(theirs - ours).max() < 1e-4
+  print(f"{ckpt.name}: exported logits max abs {np.abs(theirs - ours).max():.1e}")
+  assert hf.config_overrides(str(tmp_path)) == hf.config_overrides(ckpt.folder)
+
+
+def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
+  """`train.py --config configs/qwen3_moe_tiny.py` (2 layers, 8 experts, 2 a token; the
+  load-balancing loss at 0.01 in the loss) at stage 3 over the 8 devices: the experts'
+  leaves sharded like any other, the loss falls over 12 steps."""
+  result = train_here("--config", os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
+                      "--config.model.n_layers=2", "--config.train.steps=12",
+                      "--config.train.log_every=1", "--config.optimizer.warmup_steps=2",
+                      "--config.train.eval_every=0", "--config.train.eval_batches=1",
+                      f"--config.workdir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert records[0]["stage"] == 3 and records[0]["devices"] == 8
+  losses = [r["loss"] for r in records if "loss" in r]
+  assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses

@@ -30,6 +30,11 @@ MODELS = {
                                                compute_dtype=dtype)),
     "llama_tied": lambda dtype: LlamaLM(LlamaConfig(**LLAMA, tie_embeddings=True,
                                                     param_dtype=dtype, compute_dtype=dtype)),
+    # A mixture of experts: the router statistics ride the layer loop's carry into the
+    # load-balancing loss (`llama.router_loss`), layer by layer under release.
+    "llama_moe": lambda dtype: LlamaLM(LlamaConfig(**LLAMA, n_experts=4, experts_per_token=2,
+                                                   expert_d_ff=16, router_aux_loss_coef=0.1,
+                                                   param_dtype=dtype, compute_dtype=dtype)),
 }
 
 
@@ -68,6 +73,7 @@ def relative(a, b):
     ("mlp_lm", "adamw", "kahan", (1, 8), "bfloat16", 1e-2),
     ("llama_tied", "adamw", "kahan", (2, 4), "float32", 3e-3),
     ("llama", "lion", "kahan", (1, 8), "float32", 3e-4),
+    ("llama_moe", "adamw", "nearest", (1, 8), "float32", 3e-3),
     ("llama", "adamw", "kahan", (1, 8), "bfloat16", 3e-3)])
 def test_release_step_equals_the_normal_step(model_name, name, rule, mesh_shape, dtype, lr):
   """5 steps: every leaf of the params and optimizer state within 1e-6 in fp32; in bf16

@@ -73,7 +73,9 @@ _MODEL_ONLY = {
               "activation_offload", "mlp_chunk", "family", "head_size", "qkv_bias", "qk_norm",
               "norm_offset", "scale_embeddings", "hidden_act", "post_norms",
               "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
-              "rope_local_theta", "rope_scaling_type"),
+              "rope_local_theta", "rope_scaling_type", "n_experts", "experts_per_token",
+              "expert_d_ff", "norm_topk_prob", "router_aux_loss_coef", "router_z_loss_coef",
+              "expert_capacity_factor"),
 }
 
 
@@ -102,6 +104,21 @@ def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
       raise ConfigError(f"head_size={m.head_size} must be even (rotary embeddings rotate "
                         "pairs).", key="model.head_size", source=source_of(
                             source, "model.head_size"), fix="choose an even head_size")
+    if m.n_experts and not (0 < m.experts_per_token <= m.n_experts and m.expert_d_ff > 0):
+      raise ConfigError(f"n_experts={m.n_experts} needs experts_per_token in 1..{m.n_experts} "
+                        f"and expert_d_ff > 0 (they are {m.experts_per_token}, {m.expert_d_ff}).",
+                        key="model.experts_per_token", source=source_of(
+                            source, "model.n_experts", "model.experts_per_token",
+                            "model.expert_d_ff"),
+                        fix="set model.experts_per_token and model.expert_d_ff (HF: "
+                            "num_experts_per_tok, moe_intermediate_size)")
+    for bad, key, why in [(m.mlp_chunk, "model.mlp_chunk", "the tiled MLP"),
+                          (config.mesh.sequence_parallel, "mesh.sequence_parallel",
+                           "sequence parallelism")]:
+      if m.n_experts and bad:
+        raise ConfigError(f"{why} with experts (model.n_experts={m.n_experts}) is not built: "
+                          "the router's losses would count each tile or slice on its own.",
+                          key=key, source=source_of(source, key), fix=f"unset {key}")
     if not m.head_size and (m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
       raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even "
                         "size (rotary embeddings rotate pairs).", key="model.d_model",

@@ -197,7 +197,7 @@ _ROWS = (
     Field("model.tie_embeddings", False, "llama: output head shares the embedding matrix."),
     Field("model.family", "llama", "llama: the Hugging Face family (what export writes; import "
           "sets it); its differences are the keys below (zerojax/models/llama.py).",
-          choices=("llama", "qwen2", "qwen3", "mistral", "gemma3")),
+          choices=("llama", "qwen2", "qwen3", "mistral", "gemma3", "qwen3_moe", "mixtral")),
     Field("model.head_size", 0, "llama: head dimension when not d_model / n_heads (HF's "
           "head_dim: Qwen3, Gemma 3); 0 = d_model / n_heads.", range=NON_NEGATIVE),
     Field("model.qkv_bias", False, "llama: q, k, v projections with biases (Qwen2)."),
@@ -217,6 +217,21 @@ _ROWS = (
           "layer i global when (i + 1) % P == 0 (Gemma 3: 6).", range=NON_NEGATIVE),
     Field("model.rope_local_theta", 0.0, "llama: local layers' own RoPE base, unscaled "
           "(Gemma 3: 10000); 0 = the global RoPE.", range=NON_NEGATIVE),
+    Field("model.n_experts", 0, "llama: E > 0: every layer's MLP is a mixture of E experts "
+          "(Qwen3-MoE, Mixtral); 0 = dense.", range=NON_NEGATIVE),
+    Field("model.experts_per_token", 0, "llama: k, the experts a token is routed to.",
+          range=NON_NEGATIVE),
+    Field("model.expert_d_ff", 0, "llama: each expert's hidden width (HF's "
+          "moe_intermediate_size).", range=NON_NEGATIVE),
+    Field("model.norm_topk_prob", True, "llama: the k routing weights renormalized to sum to 1 "
+          "(Mixtral; Qwen3-MoE's option)."),
+    Field("model.router_aux_loss_coef", 0.001, "llama: the load-balancing loss's weight in the "
+          "training loss (with experts; HF's default).", range=NON_NEGATIVE),
+    Field("model.router_z_loss_coef", 0.0, "llama: the router z-loss's weight (with experts).",
+          range=NON_NEGATIVE),
+    Field("model.expert_capacity_factor", 0.0, "llama: 0 = dropless dispatch; c > 0 = each "
+          "expert takes at most ceil(c N k / E) of a device's N tokens' assignments.",
+          range=NON_NEGATIVE),
     Field("model.rope_scaling_type", "llama3", "llama: RoPE scaling when rope_scaling_factor is "
           "set: llama3 (Llama 3.1) or linear (Gemma 3's global layers).",
           choices=("llama3", "linear")),

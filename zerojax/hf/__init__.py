@@ -1,11 +1,12 @@
 """Hugging Face checkpoints <-> zerojax params, streamed tensor by tensor.
 
 The families: `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
-`MistralForCausalLM`, `Gemma3ForCausalLM` and the text tower of
-`Gemma3ForConditionalGeneration` (its vision tower is not read; export writes the
-text model as a `Gemma3ForCausalLM`). The family comes from config.json's
-`architectures` (else `model_type`) and becomes the decoder's fields
-(`config_overrides`); a checkpoint with a feature the decoder lacks is refused with
+`MistralForCausalLM`, `Gemma3ForCausalLM`, the text tower of
+`Gemma3ForConditionalGeneration` (its vision tower is not read; export writes the text
+model as a `Gemma3ForCausalLM`), and the mixtures of experts `Qwen3MoeForCausalLM` and
+`MixtralForCausalLM` (one tensor per expert in the files, stacked here). The family
+comes from config.json's `architectures` (else `model_type`) and becomes the decoder's
+fields (`config_overrides`); a checkpoint with a feature the decoder lacks is refused with
 one line naming the config.json field.
 
 The Hugging Face room: import and export of parameters here, `safetensors_file`
@@ -52,6 +53,10 @@ or `language_model.model.` (the published files) where the table has `model.`:
 |   /scale (Gemma)                       |   .weight                                        |
 | norm/scale (D,)                        | model.norm.weight                                |
 | lm_head/kernel (D, V), absent if tied  | lm_head.weight.T                                 |
+| layers/mlp/router/kernel (L, D, E)     | model.layers.i.mlp.gate.weight.T (Qwen3-MoE)     |
+| layers/mlp/experts/{gate,up,down}_proj | model.layers.i.mlp.experts.e.{gate,up,down}_proj |
+|   (L, E, D, F) / (L, E, F, D)          |   .weight.T (Mixtral: block_sparse_moe.gate,     |
+|                                        |   block_sparse_moe.experts.e.{w1,w3,w2})         |
 """
 
 import contextlib
@@ -96,7 +101,24 @@ _HF_NAMES = dict((path, (name, transposed)) for path, name, transposed in (
     (("layers", "self_attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", True),
     (("norm", "scale"), "model.norm.weight", False),
     (("lm_head", "kernel"), "lm_head.weight", True),
+    # Experts ('{e}': expert index): Qwen3-MoE's names; Mixtral's in `_FAMILY_NAMES`.
+    (("layers", "mlp", "router", "kernel"), "model.layers.{i}.mlp.gate.weight", True),
+    (("layers", "mlp", "experts", "gate_proj"),
+     "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", True),
+    (("layers", "mlp", "experts", "up_proj"), "model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+     True),
+    (("layers", "mlp", "experts", "down_proj"),
+     "model.layers.{i}.mlp.experts.{e}.down_proj.weight", True),
 ))
+# A family's own names where they differ from the table's.
+_FAMILY_NAMES = {"mixtral": {
+    ("layers", "mlp", "router", "kernel"): ("model.layers.{i}.block_sparse_moe.gate.weight", True),
+    ("layers", "mlp", "experts", "gate_proj"):
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", True),
+    ("layers", "mlp", "experts", "up_proj"):
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", True),
+    ("layers", "mlp", "experts", "down_proj"):
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", True)}}
 # The zerojax `model.*` keys an HF config determines, in the schema's names
 # (zerojax/config/schema.py).
 MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_heads", "rope_theta",
@@ -104,16 +126,20 @@ MODEL_KEYS = ("vocab_size", "d_model", "d_ff", "n_layers", "n_heads", "n_kv_head
               "rope_original_context", "norm_eps", "tie_embeddings", "family", "head_size",
               "qkv_bias", "qk_norm", "norm_offset", "scale_embeddings", "hidden_act",
               "post_norms", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
-              "rope_local_theta", "rope_scaling_type")
+              "rope_local_theta", "rope_scaling_type", "n_experts", "experts_per_token",
+              "expert_d_ff", "norm_topk_prob")
 # Only meaningful with Llama 3.1's scaling (rope_scaling_factor set, rope_scaling_type llama3).
 _ROPE_KEYS = tuple(k for k in ROPE_SCALING if k != "rope_scaling_factor")
 # config.json's `architectures` (else `model_type`) -> the family; export writes the first
 # of each family's.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
-                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3"}
+                 "Gemma3ForCausalLM": "gemma3", "Gemma3ForConditionalGeneration": "gemma3",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-               "gemma3_text": "gemma3", "gemma3": "gemma3"}
+               "gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
+               "mixtral": "mixtral"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # What transformers' config classes take for a key a config.json leaves out (published
 # Gemma 3 text_configs give only a few keys), per family.
 _HF_DEFAULTS = {
@@ -121,6 +147,9 @@ _HF_DEFAULTS = {
     "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=False),
     "qwen3": dict(rope_theta=10000.0, tie_word_embeddings=False, head_dim=128),
     "mistral": dict(rope_theta=10000.0, tie_word_embeddings=False, sliding_window=4096),
+    "qwen3_moe": dict(rope_theta=10000.0, tie_word_embeddings=False, head_dim=128,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(rope_theta=1e6, tie_word_embeddings=False, sliding_window=None),
     "gemma3": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
                    num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                    head_dim=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
@@ -181,13 +210,14 @@ def _layer_kinds(fam: str, cfg: dict, need: Callable) -> tuple[int, int]:
   explicit `layer_types`, else each family's), or HFError naming the field."""
   n = int(need("num_hidden_layers"))
   window = cfg.get("sliding_window") or 0
-  if fam in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+  if fam in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
     window = 0  # HF: sliding_window is read only with use_sliding_window.
-  types = cfg.get("layer_types") if fam != "mistral" else None  # Mistral's HF ignores it.
+  # Mistral's and Mixtral's HF ignore layer_types.
+  types = cfg.get("layer_types") if fam not in ("mistral", "mixtral") else None
   if types is None and fam == "gemma3":
     P = int(cfg["sliding_window_pattern"])
     types = ["sliding_attention" if (i + 1) % P else "full_attention" for i in range(n)]
-  elif types is None and fam in ("qwen2", "qwen3"):
+  elif types is None and fam in ("qwen2", "qwen3", "qwen3_moe"):
     start = int(cfg.get("max_window_layers", 0))
     types = ["sliding_attention" if window and i >= start else "full_attention"
              for i in range(n)]
@@ -243,7 +273,12 @@ def config_overrides(folder: str) -> dict[str, Any]:
       (cfg.get("partial_rotary_factor", 1.0) != 1.0, "partial_rotary_factor"),
       (cfg.get("final_logit_softcapping") is not None, "final_logit_softcapping"),
       (cfg.get("attn_logit_softcapping") is not None, "attn_logit_softcapping"),
-      (bool(cfg.get("use_bidirectional_attention")), "use_bidirectional_attention true")]
+      (bool(cfg.get("use_bidirectional_attention")), "use_bidirectional_attention true"),
+      (fam == "qwen3_moe" and cfg.get("decoder_sparse_step", 1) != 1,
+       f"decoder_sparse_step {cfg.get('decoder_sparse_step')} (experts on every layer only)"),
+      (fam == "qwen3_moe" and bool(cfg.get("mlp_only_layers")),
+       "mlp_only_layers (experts on every layer only)"),
+      (bool(cfg.get("router_jitter_noise")), "router_jitter_noise")]
   for bad, what in unsupported:
     if bad:
       raise HFError(f"{what}: zerojax's decoder does not have this", path=path)
@@ -274,12 +309,20 @@ def config_overrides(folder: str) -> dict[str, Any]:
              norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),  # HF's configs' defaults.
              tie_embeddings=bool(cfg["tie_word_embeddings"]), family=fam,
              head_size=0 if head_dim == d_model // heads else head_dim,
-             qkv_bias=fam == "qwen2", qk_norm=fam in ("qwen3", "gemma3"),
+             qkv_bias=fam == "qwen2", qk_norm=fam in ("qwen3", "gemma3", "qwen3_moe"),
              norm_offset=1.0 if fam == "gemma3" else 0.0, scale_embeddings=fam == "gemma3",
              hidden_act=_ACTIVATIONS[act], post_norms=fam == "gemma3",
              query_pre_attn_scalar=int(cfg["query_pre_attn_scalar"]) if fam == "gemma3"
              else 0, sliding_window=window, sliding_window_pattern=pattern,
-             rope_local_theta=local_theta, rope_scaling_type="llama3")
+             rope_local_theta=local_theta, rope_scaling_type="llama3", n_experts=0,
+             experts_per_token=0, expert_d_ff=0, norm_topk_prob=True)
+  if fam in MOE_FAMILIES:  # Qwen3-MoE (transformers 5 writes num_local_experts) or Mixtral.
+    out.update(n_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or need(
+        "num_experts" if fam == "qwen3_moe" else "num_local_experts")),
+               experts_per_token=int(need("num_experts_per_tok")),
+               expert_d_ff=int(need("moe_intermediate_size" if fam == "qwen3_moe"
+                                    else "intermediate_size")),
+               norm_topk_prob=bool(cfg["norm_topk_prob"]) if fam == "qwen3_moe" else True)
   if kind == "llama3":
     out.update(rope_scaling_factor=float(need("factor", scaling)),
                rope_low_freq_factor=float(need("low_freq_factor", scaling)),
@@ -357,13 +400,14 @@ def _expected(c: LlamaConfig, prefix: str = "model."
   files usually omit lm_head.weight.
   """
   ours = param_shapes(c)
-  assert ours.keys() <= _HF_NAMES.keys(), sorted(ours.keys() - _HF_NAMES.keys())
+  names = {**_HF_NAMES, **_FAMILY_NAMES.get(c.family, {})}
+  assert ours.keys() <= names.keys(), sorted(ours.keys() - names.keys())
   head = "language_model." if prefix == "language_model.model." else ""
   out = {}
-  for path, (name, transposed) in _HF_NAMES.items():
+  for path, (name, transposed) in names.items():
     if path in ours:
       shape = ours[path][0]
-      one = shape[1:] if path[0] == "layers" else shape  # One layer's tensor.
+      one = shape[_stacked(name):]  # One (layer's, expert's) tensor.
       name = prefix + name[len("model."):] if name.startswith("model.") else head + name
       out[path] = (name, transposed, one[::-1] if transposed else one, shape)
   return out
@@ -385,9 +429,9 @@ def _check_tensors(folder: str, c: LlamaConfig, tensors: dict, prefix: str) -> N
   """Every expected tensor present with its shape, none unexpected (a multimodal
   checkpoint's tensors outside its text tower `prefix` are not read); errors name files."""
   expected = {}
-  for path, (name, _, shape, _) in _expected(c, prefix).items():
-    for i in range(c.n_layers) if path[0] == "layers" else [None]:
-      expected[name.format(i=i)] = shape
+  for path, (name, _, shape, ours) in _expected(c, prefix).items():
+    for index in np.ndindex(ours[:_stacked(name)]):
+      expected[name.format(**dict(zip("ie", index)))] = shape
   index = os.path.join(folder, INDEX)
   where = lambda n: tensors[n][0] if n in tensors else (
       index if os.path.isfile(index) else ", ".join(sorted({t[0] for t in tensors.values()})))
@@ -413,27 +457,36 @@ def _check_tensors(folder: str, c: LlamaConfig, tensors: dict, prefix: str) -> N
 # ------------------------------------------------------------------------------ import
 
 
+def _stacked(template: str) -> int:
+  """Leading axes of a leaf stacked over HF tensors: 0, 1 (layers: '{i}') or 2 (layers
+  and experts: '{i}', '{e}')."""
+  return ("{i}" in template) + ("{e}" in template)
+
+
 def _read_slice(files: Callable[[str], Any], tensors: dict, name: str, index: tuple) -> np.ndarray:
   """`tensors[name][index]` from its file, in the file's dtype (mmap: reads only those pages)."""
   return files(tensors[name][0]).get_slice(name)[index]
 
 
-def _read_block(files, tensors, template: str, transposed: bool, stacked: bool,
-                shape: tuple, dtype: np.dtype, index: tuple) -> np.ndarray:
-  """One device's block `index` of a leaf of `shape`, read layer by layer, in `dtype`.
+def _read_block(files, tensors, template: str, transposed: bool, shape: tuple,
+                dtype: np.dtype, index: tuple) -> np.ndarray:
+  """One device's block `index` of a leaf of `shape`, read tensor by tensor, in `dtype`.
 
-  The HF tensor is sliced in its own layout ([out, in]: the index reversed for a
-  kernel) and then transposed, so only the block is read; it is converted to the
-  param dtype one layer at a time (fp32 -> bf16 rounds to nearest even: ml_dtypes'
-  cast, the same as `jnp.astype`), so the host holds the block plus one layer slice.
+  A leaf's leading axes stacked over HF tensors (`_stacked`: layers, and experts) are
+  read one HF tensor at a time; each is sliced in its own layout ([out, in]: the index
+  reversed for a kernel) and then transposed, so only the block is read, and converted
+  to the param dtype (fp32 -> bf16 rounds to nearest even: ml_dtypes' cast, the same as
+  `jnp.astype`), so the host holds the block plus one tensor's slice.
   """
   index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
-  inner = index[1:] if stacked else index
+  n = _stacked(template)
+  inner = index[n:]
   hf_index = inner[::-1] if transposed else inner
   block = np.empty(tuple(s.stop - s.start for s in index), dtype)
-  for j, layer in enumerate(range(index[0].start, index[0].stop) if stacked else [None]):
-    x = _read_slice(files, tensors, template.format(i=layer), hf_index)
-    (block[j] if stacked else block)[...] = (x.T if transposed else x).astype(dtype)
+  for at in np.ndindex(block.shape[:n]):
+    names = dict(zip("ie", (s.start + j for s, j in zip(index, at))))
+    x = _read_slice(files, tensors, template.format(**names), hf_index)
+    block[at] = (x.T if transposed else x).astype(dtype)
   return block
 
 
@@ -486,8 +539,8 @@ def load_params(folder: str, target: Any) -> PyTree:
       def callback(index):
         key = tuple((s.start, s.stop) for s in index)
         if key not in cache:
-          cache[key] = _read_block(files, tensors, name, transposed, path[0] == "layers",
-                                   tuple(x.shape), np.dtype(x.dtype), index)
+          cache[key] = _read_block(files, tensors, name, transposed, tuple(x.shape),
+                                   np.dtype(x.dtype), index)
         return cache[key]
       # Waits for the copies to the devices, so the host blocks go before the next leaf.
       return jax.make_array_from_callback(tuple(x.shape), sharding, callback,
@@ -504,7 +557,9 @@ def load_params(folder: str, target: Any) -> PyTree:
 # family -> (architectures entry, model_type) that export writes.
 _CLASSES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3"), "mistral": ("MistralForCausalLM", "mistral"),
-            "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+            "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+            "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            "mixtral": ("MixtralForCausalLM", "mixtral")}
 assert set(_CLASSES) == set(FAMILIES)
 
 
@@ -533,9 +588,18 @@ def hf_config(c: LlamaConfig, dtype: str, max_position_embeddings: int | None = 
   del out["mlp_bias"], out["pretraining_tp"]
   W = c.sliding_window
   kinds = ["sliding_attention" if local else "full_attention" for local in c.local_layers]
-  if c.family in ("qwen2", "qwen3"):
+  if c.family in ("qwen2", "qwen3", "qwen3_moe"):
     out.update(use_sliding_window=bool(W), sliding_window=W or None, layer_types=kinds,
                max_window_layers=kinds.index("sliding_attention") if W else c.n_layers)
+  if c.family in MOE_FAMILIES:  # Experts on every layer, routed as `moe.route`.
+    out.update(num_experts_per_tok=c.experts_per_token, router_aux_loss_coef=float(
+        c.router_aux_loss_coef), output_router_logits=bool(c.router_aux_loss_coef))
+  if c.family == "qwen3_moe":
+    out.update(num_experts=c.n_experts, moe_intermediate_size=c.expert_d_ff,
+               norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+  if c.family == "mixtral":
+    out.update(num_local_experts=c.n_experts, intermediate_size=c.expert_d_ff,
+               sliding_window=W or None, router_jitter_noise=0.0)
   if c.family == "qwen2":
     del out["attention_bias"]  # Qwen2's q/k/v biases are always there.
   if c.family == "mistral":
@@ -552,13 +616,14 @@ def hf_config(c: LlamaConfig, dtype: str, max_position_embeddings: int | None = 
 _take = jax.jit(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False))
 
 
-def _fetch(x: jax.Array, layer: int | None) -> np.ndarray:
-  """Leaf `x` (or its layer `layer`) whole on the host of every process.
+def _fetch(x: jax.Array, index: tuple) -> np.ndarray:
+  """Leaf `x` indexed by `index` (its layer, and expert) whole on the host of every process.
 
   Every process must call this in the same order: with several processes the slice is
   made whole by an all-gather (`process_allgather`), a collective.
   """
-  x = x if layer is None else _take(x, layer)  # Stays sharded: only one layer moves.
+  for i in index:
+    x = _take(x, i)  # Stays sharded: only one layer's (expert's) tensor moves.
   if getattr(x, "is_fully_addressable", True):
     return np.asarray(x)
   return multihost_utils.process_allgather(x, tiled=True)
@@ -590,15 +655,17 @@ def save_params(params: PyTree, config: LlamaConfig, folder: str, *, dtype: Any 
   leaves = _leaves(params, expected, "params")
   out_dtype = np.dtype(dtype or leaves[("embed_tokens", "embedding")].dtype)
 
-  def tensor(path, layer):  # (HF name, HF shape, produce: the gathered HF tensor).
+  def tensor(path, index):  # (HF name, HF shape, produce: the gathered HF tensor).
     name, transposed, shape, _ = expected[path]
-    produce = lambda: (lambda x: x.T if transposed else x)(_fetch(leaves[path], layer))
-    return name.format(i=layer), shape, produce
+    produce = lambda: (lambda x: x.T if transposed else x)(_fetch(leaves[path], index))
+    return name.format(**dict(zip("ie", index))), shape, produce
 
-  # HF's order: embedding, layer 0's tensors, layer 1's, ..., final norm, head.
-  order = [(p, None) for p in expected if p[0] == "embed_tokens"]
-  order += [(p, i) for i in range(config.n_layers) for p in expected if p[0] == "layers"]
-  order += [(p, None) for p in expected if p[0] in ("norm", "lm_head")]
+  # HF's order: embedding, layer 0's tensors (each expert's in turn), layer 1's, ...,
+  # final norm, head.
+  order = [(p, ()) for p in expected if p[0] == "embed_tokens"]
+  order += [(p, (i, *e)) for i in range(config.n_layers) for p in expected if p[0] == "layers"
+            for e in np.ndindex(expected[p][3][1:_stacked(expected[p][0])])]
+  order += [(p, ()) for p in expected if p[0] in ("norm", "lm_head")]
   write = jax.process_index() == 0
   if write:
     os.makedirs(folder, exist_ok=True)

@@ -1,21 +1,26 @@
 """The Llama family in Flax: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-The one decoder of every family zerojax runs (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3):
-a family is a few config fields, each one of its differences from Llama (q/k/v biases,
-q/k norms, an explicit head dimension, Gemma's (1 + w) norms, scaled embedding, GeGLU,
-extra norms around each sublayer, its attention scale, sliding-window layers with a
-RoPE base of their own); every field's default is Llama's. In a stack that mixes local
-(sliding-window) and global layers the layer index travels with the residual stream
-through the layer loop (the carry `(x, float32 index)`: the loops know nothing of it),
-and each layer picks its RoPE tables by data and its attention kernel by `lax.cond`.
+The one decoder of every family zerojax runs (Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3,
+and the mixtures of experts Qwen3-MoE and Mixtral): a family is a few config fields,
+each one of its differences from Llama (q/k/v biases, q/k norms, an explicit head
+dimension, Gemma's (1 + w) norms, scaled embedding, GeGLU, extra norms around each
+sublayer, its attention scale, sliding-window layers with a RoPE base of their own,
+experts in place of the MLP); every field's default is Llama's. In a stack that mixes
+local (sliding-window) and global layers the layer index travels with the residual
+stream through the layer loop (the carry `(x, float32 index)`: the loops know nothing of
+it), and each layer picks its RoPE tables by data and its attention kernel by
+`lax.cond`; with experts, the carry also sums each layer's router statistics for the
+load-balancing loss.
 
-One file, read top to bottom: the config, the pieces (norm, attention; RoPE and kernels
-are `zerojax.models.rope`'s and `.attention`'s), the block, the model (`extend`: the
-KV-cached pass of `zerojax.generate`), the loss and the helpers a trainer needs
-(`param_shapes`: each parameter's shape and axes, the one copy the planner and the HF
-mapping read). Layers run under `nn.scan` with a leading 'layers' axis; each layer's
-params pass through `zerojax.gather` inside the scan body, so at ZeRO stage 3 one layer
-is gathered at a time (under remat, gathered again in the backward pass, not saved).
+One file, read top to bottom (the config, `LlamaConfig`, is `zerojax.models.llama_config`'s,
+re-exported here): the pieces (norm, attention; RoPE and kernels are
+`zerojax.models.rope`'s and `.attention`'s; a mixture of experts, `.moe`'s), the block,
+the model (`extend`: the KV-cached pass of `zerojax.generate`), the loss and the helpers
+a trainer needs (`param_shapes`: each parameter's shape and axes, the one copy the
+planner and the HF mapping read). Layers run under `nn.scan` with a leading 'layers'
+axis; each layer's params pass through `zerojax.gather` inside the scan body, so at ZeRO
+stage 3 one layer is gathered at a time (under remat, gathered again in the backward
+pass, not saved).
 
 Long context: the blocked attention recomputes each query block's scores in the backward
 pass; the loss runs `loss_chunk` positions at a time. HF names: `zerojax.hf`.
@@ -27,17 +32,15 @@ L layers.
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core import FrozenDict
 
 from zerojax import sequence
 from zerojax.layered import LayeredLoss
-from zerojax.models import chunked_loss, tiled
+from zerojax.models import chunked_loss, moe, tiled
 from zerojax.models.attention import (
   Mask,
   attention_kernel,
@@ -47,7 +50,17 @@ from zerojax.models.attention import (
   ring_sources,
   ring_write,
 )
-from zerojax.models.remat import POLICIES, named, policy
+from zerojax.models.llama_config import (  # noqa: F401 (the decoder's names, re-exported)
+  ACTIVATIONS,
+  ATTENTION,
+  FAMILIES,
+  INIT_STD,
+  LINEAR_SCALING_KEYS,
+  ROPE_SCALING,
+  ROPE_SCALING_KEYS,
+  LlamaConfig,
+)
+from zerojax.models.remat import named, policy
 from zerojax.models.rope import apply_rope, rope_frequencies, rope_tables  # noqa: F401
 from zerojax.stage3 import gather, scan_layers
 from zerojax.zero import flax_logical_axes
@@ -55,172 +68,6 @@ from zerojax.zero import flax_logical_axes
 Params = Any
 # {leaf path: (shape, logical axis names)}: what `param_shapes` returns.
 ParamShapes = dict[tuple[str, ...], tuple[tuple[int, ...], tuple[str, ...]]]
-
-ATTENTION = ("auto", "blocked", "dot_product")
-# The Hugging Face families this decoder is (`zerojax.hf` maps each to its classes).
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-# MLP activations: SwiGLU's silu, GeGLU's tanh-approximated GELU (HF's gelu_pytorch_tanh).
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-# The config's flat RoPE-scaling keys (zerojax/config/schema.py) -> `rope_scaling`'s (HF's names).
-ROPE_SCALING = {"rope_scaling_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-                "rope_high_freq_factor": "high_freq_factor",
-                "rope_original_context": "original_max_position_embeddings"}
-ROPE_SCALING_KEYS = set(ROPE_SCALING.values())
-LINEAR_SCALING_KEYS = {"rope_type", "factor"}  # `rope_scaling` of linear RoPE scaling.
-INIT_STD = 0.02  # Hugging Face's initializer_range.
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """Hyper-parameters, dtypes and memory knobs of a Llama model.
-
-  Attributes:
-    vocab_size: V.
-    d_model: D, the residual width.
-    n_layers: L.
-    n_heads: H, query heads; must divide d_model (unless `head_size` is set).
-    n_kv_heads: K, key/value heads; must divide n_heads (K = H: multi-head attention).
-    d_ff: F, the SwiGLU hidden width.
-    rope_theta: the rotary base (10000 for Llama 2, 500000 for Llama 3).
-    rope_scaling: None, or Llama 3.1's frequency scaling as a dict with keys factor,
-      low_freq_factor, high_freq_factor, original_max_position_embeddings, or linear
-      scaling as {'rope_type': 'linear', 'factor': f} (Gemma 3's global layers).
-    norm_eps: RMSNorm epsilon.
-    tie_embeddings: use the transposed token embedding as the output head.
-    family: the Hugging Face family (`FAMILIES`): the names export writes; the
-      differences themselves are the fields below.
-    head_size: Dh when it is not d_model // n_heads (HF's head_dim: Qwen3, Gemma 3,
-      Mistral-Small); 0 = d_model // n_heads.
-    qkv_bias: q, k and v projections with biases (Qwen2).
-    qk_norm: an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3).
-    norm_offset: every RMSNorm multiplies by (norm_offset + scale), the scales
-      initialised at 1 - norm_offset (Gemma: 1.0).
-    scale_embeddings: the embedding's output times sqrt(d_model) (Gemma).
-    hidden_act: the MLP's gate activation, a key of `ACTIVATIONS` (Gemma: gelu_tanh).
-    post_norms: norms on each sublayer's output too (Gemma): 'post_attention_layernorm'
-      is then the attention output's, 'pre_feedforward_layernorm' the MLP input's and
-      'post_feedforward_layernorm' its output's.
-    query_pre_attn_scalar: scores scaled by its -1/2 power (Gemma 3); 0 = Dh.
-    sliding_window: W > 0: local layers attend to the W latest positions (itself
-      included); 0 = every layer global.
-    sliding_window_pattern: 0: every layer local (with a window); P: layer i global when
-      (i + 1) % P == 0, the others local (Gemma 3: 6).
-    rope_local_theta: local layers' own RoPE base, unscaled (Gemma 3: 10000); 0 = the
-      global layers' RoPE.
-    param_dtype: dtype the params are stored in.
-    compute_dtype: dtype of activations and matmul inputs (norms, softmax, logits and
-      loss are fp32 whatever this is).
-    attention: 'blocked' (query blocks in a loop, each recomputed in the backward
-      pass; portable) or 'dot_product' (`jax.nn.dot_product_attention`: cuDNN flash
-      attention on GPU in bf16/fp16; XLA otherwise, which materialises the scores);
-      'auto' is whichever `attention_kernel` picks for the backend.
-    attention_block: query positions per block for 'blocked'.
-    loss_chunk: sequence positions per chunk of the head + loss.
-    mlp_chunk: positions per tile of the MLP, 0 = untiled (`zerojax.models.tiled`).
-    remat: per-layer rematerialization, one of `zerojax.models.remat.POLICIES`: 'none',
-      'full' (save only layer inputs), 'dots' (also matmul outputs without batch dims)
-      or a set of named values ('minimal', 'save_qkv_proj', ...).
-    sequence_axis: the mesh axis each sequence is split over inside the train step's
-      `shard_map` (sequence parallelism: Ulysses attention, `zerojax.sequence`); None:
-      every device holds whole sequences.
-    activation_offload: 'host': remat's saved values in host memory (`zerojax.streaming`).
-  """
-  vocab_size: int = 256
-  d_model: int = 128
-  n_layers: int = 4
-  n_heads: int = 4
-  n_kv_heads: int = 2
-  d_ff: int = 384
-  rope_theta: float = 500000.0
-  rope_scaling: Any = None
-  norm_eps: float = 1e-5
-  tie_embeddings: bool = False
-  family: str = "llama"
-  head_size: int = 0
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  norm_offset: float = 0.0
-  scale_embeddings: bool = False
-  hidden_act: str = "silu"
-  post_norms: bool = False
-  query_pre_attn_scalar: int = 0
-  sliding_window: int = 0
-  sliding_window_pattern: int = 0
-  rope_local_theta: float = 0.0
-  param_dtype: Any = jnp.bfloat16
-  compute_dtype: Any = jnp.bfloat16
-  attention: str = "auto"
-  attention_block: int = 512
-  loss_chunk: int = 1024
-  mlp_chunk: int = 0
-  remat: str = "full"
-  sequence_axis: str | None = None
-  activation_offload: str = "none"
-
-  def __post_init__(self):
-    for ok, message in [
-        (self.head_size or self.d_model % self.n_heads == 0, f"n_heads {self.n_heads} must "
-         f"divide d_model {self.d_model} (or set head_size)"),
-        (self.n_heads % self.n_kv_heads == 0, f"n_kv_heads {self.n_kv_heads} must divide "
-         f"n_heads {self.n_heads}"),
-        (self.head_dim % 2 == 0, f"head_dim {self.head_dim} must be even for RoPE"),
-        (self.attention in ATTENTION, f"attention must be one of {ATTENTION}"),
-        (self.remat in POLICIES, f"remat must be one of {POLICIES}"),
-        (min(self.attention_block, self.loss_chunk) > 0 and self.mlp_chunk >= 0,
-         "attention_block and loss_chunk must be positive, mlp_chunk non-negative"),
-        (self.activation_offload in ("none", "host"), "activation_offload: 'none' or 'host'"),
-        (self.rope_scaling is None or set(self.rope_scaling) == ROPE_SCALING_KEYS or (
-            set(self.rope_scaling) == LINEAR_SCALING_KEYS
-            and self.rope_scaling["rope_type"] == "linear"),
-         f"rope_scaling needs exactly the keys {sorted(ROPE_SCALING_KEYS)}, or "
-         f"{sorted(LINEAR_SCALING_KEYS)} with rope_type 'linear'"),
-        (self.family in FAMILIES, f"family must be one of {FAMILIES}"),
-        (self.hidden_act in ACTIVATIONS, f"hidden_act must be one of {sorted(ACTIVATIONS)}"),
-        (min(self.head_size, self.sliding_window, self.sliding_window_pattern) >= 0,
-         "head_size, sliding_window and sliding_window_pattern must be non-negative")]:
-      if not ok:
-        raise ValueError(f"LlamaConfig: {message} (got {self})")
-    if self.rope_scaling is not None:
-      # Hashable, so the config can be a Flax attribute or a static jit argument.
-      object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
-
-  @property
-  def head_dim(self) -> int:
-    return self.head_size or self.d_model // self.n_heads
-
-  @property
-  def local_layers(self) -> tuple[bool, ...]:
-    """Per layer: does it attend to a sliding window (a local layer)?"""
-    P = self.sliding_window_pattern
-    return tuple(bool(self.sliding_window) and (P == 0 or (i + 1) % P != 0)
-                 for i in range(self.n_layers))
-
-  @property
-  def mixed_layers(self) -> bool:
-    """Local and global layers in one stack: the layer loop's carry holds the index."""
-    return len(set(self.local_layers)) > 1
-
-  @classmethod
-  def from_keys(cls, model: Mapping[str, Any], **kwargs: Any) -> "LlamaConfig":
-    """The config of a `model` section (the schema's keys, zerojax/config/schema.py).
-
-    Every key that names a field is taken by that name, so a new model key is a row in
-    the schema and a field here; the RoPE-scaling keys become `rope_scaling`
-    (`ROPE_SCALING`; `rope_scaling_type` 'linear': only the factor), set when
-    `rope_scaling_factor` is. Other keys (`name`, another family's) are ignored.
-
-    Args:
-      model: a ConfigDict or dict (also `hf.config_overrides`' result).
-      **kwargs: fields to set besides (dtypes, which live in the precision section).
-    """
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: model[k] for k in names if k in model}
-    if model.get("rope_scaling_factor") and model.get("rope_scaling_type") == "linear":
-      values["rope_scaling"] = {"rope_type": "linear", "factor": model["rope_scaling_factor"]}
-    elif model.get("rope_scaling_factor"):
-      values["rope_scaling"] = {new: model[old] for old, new in ROPE_SCALING.items()}
-    return cls(**values, **kwargs)
-
 
 # ---------------------------------------------------------------------------- pieces
 
@@ -360,7 +207,7 @@ class Block(nn.Module):
     stack of local and global layers (`mixed_layers`) the carry (x, float32[] layer
     index), the index advanced by one, and cos, sin [2, (B,) T, Dh] (global, local)."""
     c = self.config
-    x, layer = x if c.mixed_layers else (x, None)
+    x, layer, stats = _unstack(c, x)
     local = None
     if layer is not None:
       local = jnp.asarray(c.local_layers)[layer.astype(jnp.int32)]
@@ -368,14 +215,25 @@ class Block(nn.Module):
     out = Attention(c, name="self_attn")(_norm(c, "input_layernorm")(x), *rope, segment_ids,
                                          cache, local)
     out, cache = (out, None) if cache is None else out
-    mlp = lambda h: tiled.apply(Mlp(c, name="mlp"), h, c.mlp_chunk)
+    if c.n_experts:  # A mixture of experts; its router statistics join the carry's.
+      experts = moe.MoeMlp(c.n_experts, c.experts_per_token, c.expert_d_ff, c.norm_topk_prob,
+                           c.expert_capacity_factor, ACTIVATIONS[c.hidden_act],
+                           c.compute_dtype, c.param_dtype, name="mlp")
+
+      def mlp(h):
+        nonlocal stats
+        h, layer_stats = experts(h)
+        stats = stats + layer_stats
+        return h
+    else:
+      mlp = lambda h: tiled.apply(Mlp(c, name="mlp"), h, c.mlp_chunk)  # noqa: E731
     if c.post_norms:
       x = x + _norm(c, "post_attention_layernorm")(out)
       x = x + _norm(c, "post_feedforward_layernorm")(mlp(_norm(c, "pre_feedforward_layernorm")(x)))
     else:
       x = x + out
       x = x + mlp(_norm(c, "post_attention_layernorm")(x))
-    return (x if layer is None else (x, layer + 1)), cache
+    return _restack(x, None if layer is None else layer + 1, stats), cache
 
 
 def layer_rope(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -388,14 +246,42 @@ def layer_rope(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Arr
 
 
 def stack_input(config: LlamaConfig, x: jax.Array, layer: int | jax.Array = 0) -> Any:
-  """The layer loop's input for residual stream x at `layer`: x, or (x, float32[] layer)
-  in a mixed stack (`Block`)."""
-  return (x, jnp.asarray(layer, jnp.float32)) if config.mixed_layers else x
+  """The layer loop's input for residual stream x at `layer`: x alone, or a tuple of x,
+  float32[] layer in a mixed stack (`Block`) and float32[2 E + 1] router statistics
+  summed over the layers so far with experts (`moe.stats`)."""
+  extra = [jnp.asarray(layer, jnp.float32)] if config.mixed_layers else []
+  if config.n_experts:
+    extra.append(jnp.zeros(2 * config.n_experts + 1, jnp.float32))
+  return (x, *extra) if extra else x
+
+
+def _unstack(config: LlamaConfig, carry: Any) -> tuple[jax.Array, Any, Any]:
+  """(x, layer or None, router statistics or None) of a layer loop's carry."""
+  if not isinstance(carry, tuple):
+    return carry, None, None
+  x, *rest = carry
+  layer = rest.pop(0) if config.mixed_layers else None
+  return x, layer, rest.pop(0) if config.n_experts else None
+
+
+def _restack(x: jax.Array, layer: Any, stats: Any) -> Any:
+  return (x, *(a for a in (layer, stats) if a is not None)) if (
+      layer is not None or stats is not None) else x
 
 
 def stack_output(config: LlamaConfig, out: Any) -> jax.Array:
   """The residual stream of the layer loop's carry (`stack_input` undone)."""
-  return out[0] if config.mixed_layers else out
+  return _unstack(config, out)[0]
+
+
+def router_loss(config: LlamaConfig, out: Any, tokens: int) -> jax.Array:
+  """The router losses the training loss adds, from the layer loop's output carry: the
+  load-balancing loss times `router_aux_loss_coef` plus the z-loss times
+  `router_z_loss_coef` over `tokens` tokens a layer (float32; 0 without experts)."""
+  if not config.n_experts:
+    return jnp.float32(0)
+  aux, z = moe.losses_from_stats(_unstack(config, out)[2], tokens, config.n_layers)
+  return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
 
 
 def apply_block(config: LlamaConfig, params: Params, x: Any, cos: jax.Array,
@@ -546,18 +432,22 @@ class Llama(nn.Module):
              segment_ids: jax.Array | None = None) -> jax.Array:
     """int32[B, T] -> the last layer's output [B, T, D] (compute dtype, before `norm`);
     positions (None = 0..T-1), segment_ids (None = one): int32[B, T] (packed examples)."""
+    return stack_output(self.config, self.layer_loop(tokens, positions, segment_ids))
+
+  def layer_loop(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> Any:
+    """`hidden`'s layer loop's output carry (`stack_input`: with experts, the router
+    statistics beside the residual stream)."""
     c = self.config
     x = stack_input(c, self.embed(tokens))
     cos, sin = layer_rope(c, tokens.shape[1] if positions is None else positions)
     if c.remat != "none" and not self.is_initializing():
       # `self.layers` run by `zerojax.scan_layers`, whose backward pass writes each layer's
       # gradient over the (fp32) params given, not into a second model: 4 B/param less.
-      return stack_output(c, scan_layers(functools.partial(apply_block, c),
-                                    self.variables["params"]["layers"], x, cos, sin,
-                                    segment_ids, policy=policy(c.remat),
-                                    offload=c.activation_offload == "host"))
-    x, _ = self.layers(x, (cos, sin), segment_ids)
-    return stack_output(c, x)
+      return scan_layers(functools.partial(apply_block, c), self.variables["params"]["layers"],
+                         x, cos, sin, segment_ids, policy=policy(c.remat),
+                         offload=c.activation_offload == "host")
+    return self.layers(x, (cos, sin), segment_ids)[0]
 
   def head(self, x: jax.Array) -> jax.Array:
     """[..., D] hidden states -> float32[..., V] logits (final norm, then the head)."""
@@ -594,13 +484,15 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
     rng: unused (no dropout); `zerojax.make_train_step` passes one.
 
   Returns:
-    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T).
+    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T),
+    plus, with experts, the router losses (`router_loss`).
   """
   del rng
   inputs, targets = sequence.inputs_and_targets(batch)  # Either form: see its docstring.
-  x = Llama(config).apply({"params": params}, inputs, batch.get("positions"),
-                          batch.get("segment_ids"), method=Llama.hidden)
-  return head_loss(config, params, x, targets, batch.get("loss_mask"))
+  out = Llama(config).apply({"params": params}, inputs, batch.get("positions"),
+                            batch.get("segment_ids"), method=Llama.layer_loop)
+  return head_loss(config, params, stack_output(config, out), targets,
+                   batch.get("loss_mask")) + router_loss(config, out, inputs.size)
 
 
 def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,
@@ -650,6 +542,15 @@ def param_shapes(config: LlamaConfig) -> ParamShapes:
   if c.post_norms:
     layer.update({(f"{x}_feedforward_layernorm", "scale"): ((D,), ("embed",))
                   for x in ("pre", "post")})
+  if c.n_experts:  # The experts replace the MLP (`moe.MoeMlp`).
+    E, Fe = c.n_experts, c.expert_d_ff
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      del layer[("mlp", name, "kernel")]
+    layer.update({
+        ("mlp", "router", "kernel"): ((D, E), ("embed", "experts")),
+        ("mlp", "experts", "gate_proj"): ((E, D, Fe), ("experts", "embed", "mlp")),
+        ("mlp", "experts", "up_proj"): ((E, D, Fe), ("experts", "embed", "mlp")),
+        ("mlp", "experts", "down_proj"): ((E, Fe, D), ("experts", "mlp", "embed"))})
   shapes = {("embed_tokens", "embedding"): ((V, D), ("vocab", "embed"))}
   shapes.update({("layers", *path): ((c.n_layers, *shape), ("layers", *names))
                  for path, (shape, names) in layer.items()})
@@ -671,11 +572,14 @@ def flops_per_token(config: LlamaConfig, seq_len: int, causal: bool = True) -> f
   not the embedding lookup or the norms), plus attention's QK^T and PV: 12 L H Dh T,
   halved when `causal` (only the visible half of the scores is model work, as
   MaxText counts; PaLM's formula counts all of it). Remat's recomputation is not
-  counted: this is model FLOPs.
+  counted: this is model FLOPs. With experts, a token's k experts and the router (the
+  active parameters), not all E.
   """
   c = config
   D, q_dim, kv_dim = c.d_model, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  matmul = c.n_layers * (2 * D * q_dim + 2 * D * kv_dim + 3 * D * c.d_ff) + D * c.vocab_size
+  mlp = (3 * D * c.expert_d_ff * c.experts_per_token + D * c.n_experts if c.n_experts
+         else 3 * D * c.d_ff)
+  matmul = c.n_layers * (2 * D * q_dim + 2 * D * kv_dim + mlp) + D * c.vocab_size
   attention = 12 * c.n_layers * q_dim * seq_len * (0.5 if causal else 1.0)
   return 6.0 * matmul + attention
 
@@ -729,7 +633,8 @@ class LlamaLM:
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
             c, rest, stack_output(c, x), sequence.inputs_and_targets(batch)[1],
-            batch.get("loss_mask")),
+            batch.get("loss_mask")) + router_loss(c, x, stack_output(c, x).shape[0]
+                                                  * stack_output(c, x).shape[1]),
         stack="layers", offload=c.activation_offload == "host")
 
   def flops_per_token(self, seq_len: int) -> float:

@@ -1,5 +1,7 @@
-"""A mixture-of-experts feed-forward block's parts: the router, the experts' dispatch
-(dropless or at a capacity), and the auxiliary losses, as pure functions of arrays.
+"""The mixture-of-experts feed-forward block (`MoeMlp`, the decoder's with `n_experts`)
+and its parts as pure functions of arrays: the router, the experts' dispatch (dropless
+or at a capacity), the router statistics a layer adds to the layer loop's carry, and the
+auxiliary losses.
 
 Shapes: N tokens (batch x positions, flattened), D model width, E experts of hidden
 width F, k experts a token. The experts' weights are stacked on a leading expert axis,
@@ -25,8 +27,9 @@ the slow, obviously right version the tests hold the others to.
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -180,3 +183,74 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array
   z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
   m = jnp.ones(z.shape[-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
   return jnp.sum(z * m) / (jnp.sum(m) * math.prod(z.shape[:-1]))
+
+
+def stats(routing: Routing) -> jax.Array:
+  """float32[2 E + 1]: one layer's router statistics, summed over its tokens (what the
+  auxiliary losses need of every layer): top-k assignments per expert, softmax
+  probability per expert, and logsumexp(logits)^2."""
+  logits = routing.logits
+  n_experts = logits.shape[-1]
+  counts = jnp.sum(jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32), axis=(0, 1))
+  probs = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)
+  z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  return jnp.concatenate([counts, probs, z[None]])
+
+
+def losses_from_stats(summed: jax.Array, tokens: int, layers: int) -> tuple[jax.Array, jax.Array]:
+  """(load-balancing loss, z-loss) from `stats` summed over `layers` layers of `tokens`
+  tokens each: the values `load_balancing_loss` and `router_z_loss` give on those
+  layers' logits."""
+  n_experts = (summed.shape[0] - 1) // 2
+  rows = tokens * layers
+  counts, probs = summed[:n_experts] / rows, summed[n_experts:2 * n_experts] / rows
+  return n_experts * jnp.sum(counts * probs), summed[-1] / rows
+
+
+class MoeMlp(nn.Module):
+  """The mixture-of-experts feed-forward block (HF Qwen3-MoE's `mlp`, Mixtral's
+  `block_sparse_moe`): [B, T, D] -> ([B, T, D], float32[2 E + 1] `stats`).
+
+  Params: `router/kernel` [D, E] and `experts/{gate,up,down}_proj` ([E, D, F], [E, D, F],
+  [E, F, D]), in `param_dtype`, with logical axes 'embed', 'experts', 'mlp'. Routing is
+  in fp32; the experts' matmuls take `dtype` inputs and accumulate in fp32.
+  """
+  n_experts: int
+  k: int
+  d_ff: int
+  norm_topk_prob: bool
+  capacity_factor: float  # 0: dropless.
+  act: Callable
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    B, T, D = x.shape
+    E, F = self.n_experts, self.d_ff
+    (router,) = _Params((("kernel", (D, E), ("embed", "experts")),), self.param_dtype,
+                        name="router")()
+    experts = Experts(*(w.astype(self.dtype) for w in _Params((
+        ("gate_proj", (E, D, F), ("experts", "embed", "mlp")),
+        ("up_proj", (E, D, F), ("experts", "embed", "mlp")),
+        ("down_proj", (E, F, D), ("experts", "mlp", "embed"))), self.param_dtype,
+        name="experts")()))
+    h = x.reshape(B * T, D).astype(self.dtype)
+    routing = route(h, router.astype(self.dtype), self.k, self.norm_topk_prob)
+    if self.capacity_factor:
+      out, _ = with_capacity(h, routing, experts, self.capacity_factor, self.act)
+    else:
+      out = dropless(h, routing, experts, self.act)
+    return out.reshape(B, T, D), stats(routing)
+
+
+class _Params(nn.Module):
+  """Params (name, shape, logical axes) initialised as HF does (normal, std 0.02)."""
+  specs: tuple
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self) -> tuple:
+    return tuple(self.param(name, nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                               axes), shape, self.param_dtype)
+                 for name, shape, axes in self.specs)
