@@ -169,7 +169,9 @@ def test_a_few_steps_lower_the_loss(ckpt):
   assert losses[-1] < losses[0] - 0.05, losses
 
 
-@pytest.mark.parametrize("ckpt", ["qwen2", "qwen3", "mistral", "gemma3"], indirect=True)
+# Not Mistral: Llama's block with a window (the kernels' tests), the import and the
+# config check as the others'.
+@pytest.mark.parametrize("ckpt", ["qwen2", "qwen3", "gemma3"], indirect=True)
 def test_train_py_trains_each_family_quick_start_from_its_imported_checkpoint(ckpt, tmp_path):
   """`train.py --config configs/<family>_tiny.py --config.init_from=<transformers' folder>`
   with the `--config.model.*` overrides the folder's shapes need (`hf.config_overrides`,

@@ -94,6 +94,50 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts,
   return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y).astype(x.dtype)
 
 
+def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
+                             act: Callable = jax.nn.silu) -> jax.Array:
+  """`dropless` with the experts split over mesh axis `axis` (inside `jax.shard_map`).
+
+  The device at index r of `axis` (size ep) holds experts [r El, (r + 1) El) of the E =
+  ep El (`local`: their kernels, El on the leading axis); each device routes its own N
+  tokens over all E (`routing`). Its N k assignments, sorted by expert, go to the
+  devices holding their experts by one `all_to_all`, are computed there by grouped
+  matmuls over everything the device received, and come back by a second, to be
+  weighted and summed onto their tokens as `dropless` does.
+
+  The all-to-all buffers are static: ep blocks of N k rows a device (the dropless worst
+  case, every assignment to one device), so each all-to-all moves ep N k D values a
+  device where a balanced router fills 1 / ep of them. (`jax.lax.ragged_all_to_all`
+  moves only the rows used; XLA:CPU does not run it.)
+
+  Returns:
+    [N, D] in x's dtype: what `dropless` gives with all E experts on every device.
+  """
+  n, k = routing.experts.shape
+  el = local.gate.shape[0]
+  ep = routing.logits.shape[-1] // el
+  m, d = n * k, x.shape[-1]
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)  # Assignments by expert, so by device too.
+  tokens, chosen = order // k, flat[order]
+  dest = chosen // el
+  counts = jnp.bincount(dest, length=ep)
+  at = (dest, jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest])  # (device, row).
+  send = jnp.zeros((ep, m, d), x.dtype).at[at].set(x[tokens])
+  ids = jnp.full((ep, m), el, jnp.int32).at[at].set(chosen % el)  # el: an empty row.
+  exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
+  got, got_ids = exchange(send).reshape(ep * m, d), exchange(ids).reshape(ep * m)
+  mine = jnp.argsort(got_ids, stable=True)  # By local expert; empty rows last.
+  sizes = jnp.bincount(got_ids, length=el + 1)[:el].astype(jnp.int32)
+  dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)  # noqa: E731
+  xs = got[mine]
+  h = _mlp(dot(xs, local.gate), dot(xs, local.up), act).astype(x.dtype)
+  y = jnp.zeros((ep * m, d), x.dtype).at[mine].set(dot(h, local.down).astype(x.dtype))
+  back = exchange(y.reshape(ep, m, d))[at].astype(jnp.float32)  # [N k, D], sorted order.
+  y = back * routing.weights.reshape(-1)[order][:, None]
+  return jnp.zeros((n, d), jnp.float32).at[tokens].add(y).astype(x.dtype)
+
+
 def capacity(n: int, k: int, n_experts: int, factor: float) -> int:
   """Assignments each expert takes at `factor`: ceil(factor x N x k / E), at most N."""
   return min(n, math.ceil(factor * n * k / n_experts))
