@@ -19,8 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax import hf
-from zerojax.models import llama, moe
+from zerojax import hf, memory
+from zerojax.config import load_config
+from zerojax.memory import report
+from zerojax.models import from_config, llama, moe
 
 from test_families import Checkpoint, _torch
 from test_train import train_here
@@ -257,3 +259,23 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   assert records[0]["stage"] == 3 and records[0]["devices"] == 8
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_the_planner_counts_the_active_parameters_as_flops_per_token_does():
+  """`memory.active_params` (all but (E - k) / E of the experts) is what MFU's
+  `flops_per_token` multiplies: 6 x (active params less the embedding and the norms) +
+  attention's, for the tiny MoE; the report's header says both counts."""
+  config = load_config(os.path.join(REPO, "configs", "qwen3_moe_tiny.py"))
+  c, spec = from_config(config).config, memory.RunSpec.from_config(config, 8)
+  shapes = llama.param_shapes(c)
+  experts = sum(int(np.prod(s)) for p, (s, _) in shapes.items()
+                if p[:3] == ("layers", "mlp", "experts"))
+  total = memory.param_counts(spec).total
+  assert memory.active_params(spec) == total - experts * 6 // 8
+  unmultiplied = sum(int(np.prod(s)) for p, (s, _) in shapes.items()
+                     if p[-1] == "scale" or p[0] == "embed_tokens")
+  attention = 12 * c.n_layers * c.n_heads * c.head_dim * 128 * 0.5
+  assert llama.flops_per_token(c, 128) == (
+      6.0 * (memory.active_params(spec) - unmultiplied) + attention)
+  header = report.format_table(memory.estimate(spec)).splitlines()[1]
+  assert header.startswith("  1.64M params (0.76M active a token: 2 of 8 experts);"), header

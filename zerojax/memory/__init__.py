@@ -90,9 +90,16 @@ from zerojax.memory.search import (
   sequence_unit,
   suggestions,
 )
-from zerojax.memory.spec import DEVICES_PER_NODE, DTYPE_BYTES, Counts, RunSpec, param_counts
+from zerojax.memory.spec import (
+  DEVICES_PER_NODE,
+  DTYPE_BYTES,
+  Counts,
+  RunSpec,
+  active_params,
+  param_counts,
+)
 from zerojax.memory.step import Estimate, estimate
 
 __all__ = ["DEVICES_PER_NODE", "DTYPE_BYTES", "Bus", "Counts", "Estimate", "RunSpec",
-           "Suggestion", "attribute", "bus", "estimate", "fewest_devices", "longest_sequence",
-           "param_counts", "sequence_unit", "suggestions"]
+           "Suggestion", "active_params", "attribute", "bus", "estimate", "fewest_devices",
+           "longest_sequence", "param_counts", "sequence_unit", "suggestions"]

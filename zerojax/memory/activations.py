@@ -18,7 +18,7 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   """Per-device bytes: 'saved activations', 'working set', 'loss chunk'; with activation
   offload also 'saved activations (host)', the layers' share kept in host memory."""
   pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
-  D, F, L, V, T, b = s.d_model, s.d_ff, s.n_layers, s.vocab_size, s.seq_len, s.batch
+  D, F, L, V, T, b = s.d_model, s.mlp_width, s.n_layers, s.vocab_size, s.seq_len, s.batch
   H, q, kv = s.n_heads, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
   local = s.positions  # T, or T / fsdp with sequence parallelism.
   n = b * local
@@ -86,7 +86,7 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
   (never the peak in the compiles measured: the MLP's backward was, down to d_ff =
   d_model / 2).
   """
-  cb, T, b, D, F = DTYPE_BYTES[s.compute_dtype], s.seq_len, s.batch, s.d_model, s.d_ff
+  cb, T, b, D, F = DTYPE_BYTES[s.compute_dtype], s.seq_len, s.batch, s.d_model, s.mlp_width
   Dh = s.head_dim
   heads, kv = ((s.n_heads // s.fsdp, kv_width(s)) if s.sequence_parallel
                else (s.n_heads, s.n_kv_heads * Dh))

@@ -49,6 +49,7 @@ from zerojax.memory import (
   Estimate,
   RunSpec,
   Suggestion,
+  active_params,
   attribute,
   bus,
   estimate,
@@ -166,10 +167,12 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   grads = 0 if s.release else DTYPE_BYTES[s.reduce_dtype]  # Release: one layer's at a time.
   held = c["params"] + grads + c["optimizer"]
   k = c["optimizer"]
+  active = (f" ({_count(active_params(s))} active a token: {s.experts_per_token} of "
+            f"{s.n_experts} experts)") if s.n_experts else ""
   lines = [
       f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
       f"ZeRO stage {s.stage}".replace("  ", " "),
-      f"  {_count(e.params)} params; per device {s.batch} x {_positions(s)} tokens x "
+      f"  {_count(e.params)} params{active}; per device {s.batch} x {_positions(s)} tokens x "
       f"{s.microbatches} microbatch(es); remat {s.remat}; {s.optimizer}, {s.state_dtype} state, "
       f"{s.update_rule} updates" + ("; gradient release" if s.release else ""),
       f"model state as users count it: params {c['params']} + gradients {c['gradients']:.3g} + "

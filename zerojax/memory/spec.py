@@ -68,6 +68,16 @@ class RunSpec:
   # Norms on each sublayer's output (model.post_norms, Gemma): remat 'dots' then also
   # saves the down projection's output, the input of the norm after it.
   post_norms: bool = False
+  # A mixture of experts (model.n_experts): E experts a layer, k a token, each F_e wide.
+  n_experts: int = 0
+  experts_per_token: int = 0
+  expert_d_ff: int = 0
+
+  @property
+  def mlp_width(self) -> int:
+    """The feed-forward block's hidden width a token uses: d_ff, or k F_e with experts
+    (its k experts' rows, the same [.., width] temporaries per token)."""
+    return self.experts_per_token * self.expert_d_ff if self.n_experts else self.d_ff
 
   @classmethod
   def from_config(cls, config, devices: int) -> "RunSpec":
@@ -94,7 +104,10 @@ class RunSpec:
         activation_offload=m.get("activation_offload", "none") == "host",
         param_offload=config.zero.get("param_offload", "none") == "host",
         head_size=int(m.get("head_size", 0)) if m.name == "llama" else 0,
-        post_norms=bool(m.get("post_norms", False)) and m.name == "llama")
+        post_norms=bool(m.get("post_norms", False)) and m.name == "llama",
+        n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
+        experts_per_token=int(m.get("experts_per_token", 0)),
+        expert_d_ff=int(m.get("expert_d_ff", 0)))
 
   @property
   def devices(self) -> int:
@@ -140,6 +153,17 @@ def _local_shape(s: RunSpec, shape: tuple[int, ...], layered: bool) -> tuple[int
 class Counts(collections.namedtuple("Counts", "total layers local local_layers largest")):
   """Parameter counts: all, layer-stacked, one device's shard (all, layer-stacked), and
   the largest layer-stacked leaf."""
+
+
+def active_params(s: RunSpec) -> int:
+  """Parameters a token's forward pass uses: all but the (E - k) / E of each layer's
+  experts it is not routed to (`param_counts(s).total` without experts)."""
+  total = param_counts(s).total
+  if not s.n_experts:
+    return total
+  experts = sum(math.prod(shape) for shape, names in s.param_shapes
+                if names[:2] == ("layers", "experts"))
+  return total - experts * (s.n_experts - s.experts_per_token) // s.n_experts
 
 
 def param_counts(s: RunSpec) -> Counts:
