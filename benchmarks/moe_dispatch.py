@@ -1,5 +1,6 @@
-"""Compiled bytes of a mixture-of-experts block's dispatch: dropless (`jax.lax.ragged_dot`)
-against the capacity mode's batched matmuls, forward and forward + backward.
+"""Compiled bytes of a mixture-of-experts block's dispatch: dropless by `jax.lax.ragged_dot`,
+dropless in tiles (`moe.tile_matmul`) and the capacity mode's batched matmuls, forward
+and forward + backward.
 
 Compiles (never runs) one expert MLP over N k token rows into E experts on XLA:CPU and
 prints XLA's temporary bytes and the largest buffer of each program; with `--target`,
@@ -36,6 +37,8 @@ def main():
   import jax
   import jax.numpy as jnp
 
+  from zerojax.models import moe
+
   m, d, f, e = args.rows, args.d_model, args.d_ff, args.experts
   x = jax.ShapeDtypeStruct((m, d), jnp.float32)
   w = jax.ShapeDtypeStruct((e, d, f), jnp.float32)
@@ -48,8 +51,17 @@ def main():
   def batched(b, w):
     return jnp.einsum("ecd,edf->ecf", b, w)
 
+  tile = 64
+  tiles = -(-m // tile) + e  # `moe.dropless_tiled`'s bound: each expert's run padded.
+  padded = jax.ShapeDtypeStruct((tiles * tile, d), jnp.float32)
+  owner = jnp.minimum(jnp.arange(tiles) * e // (tiles - e), e - 1).astype(jnp.int32)
+
+  def tiled(x, w):
+    return moe.tile_matmul(x, w, owner)
+
   programs = {
       "dropless (ragged_dot)": (ragged, (x, w)),
+      f"dropless (tiles of {tile})": (tiled, (padded, w)),
       "capacity 1.0 (batched)": (batched, (blocks, w)),
   }
   print(f"{m} rows into {e} experts of [{d}, {f}], fp32 (useful product: "

@@ -11,6 +11,7 @@ the load-balancing loss is transformers' `aux_loss`, export loads back as the sa
 with the same logits; `train.py` trains the tiny MoE config on 8 devices at stage 3.
 """
 
+import functools
 import json
 import os
 
@@ -53,16 +54,21 @@ def _layer(dispatch):
   return jax.jit(apply)
 
 
-def test_dropless_is_the_dense_reference_values_and_gradients(block):
+@pytest.mark.parametrize("dispatch", ["ragged_dot", "tiles"])
+def test_dropless_is_the_dense_reference_values_and_gradients(block, dispatch):
+  """`dropless` (grouped matmuls by `ragged_dot`) and `dropless_tiled` (each expert's
+  run in whole tiles of 5 rows, a matmul a tile, its own backward)."""
   x, router, experts = block
-  got, want = _layer(moe.dropless)(*block), _layer(moe.dense_reference)(*block)
+  fn = moe.dropless if dispatch == "ragged_dot" else functools.partial(moe.dropless_tiled,
+                                                                       tile=5)
+  got, want = _layer(fn)(*block), _layer(moe.dense_reference)(*block)
   assert _relative(got, want) < 1e-6
   # Every token's k experts were used: the routing is not degenerate.
   counts = moe.tokens_per_expert(moe.route(x, router, K), E)
   assert int(counts.sum()) == N * K and int((counts > 0).sum()) == E
   probe = jax.random.normal(jax.random.key(9), (N, D))
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * probe), argnums=(0, 1, 2)))  # noqa: E731
-  for g, w in zip(jax.tree.leaves(grad(_layer(moe.dropless))(*block)),
+  for g, w in zip(jax.tree.leaves(grad(_layer(fn))(*block)),
                   jax.tree.leaves(grad(_layer(moe.dense_reference))(*block))):
     assert _relative(g, w) < 1e-5
 

@@ -16,6 +16,9 @@ Dispatch:
 - `dropless`: every token reaches each of its k experts. The N x k assignments are
   sorted by expert and each expert's run goes through its weights in one grouped matmul
   (`jax.lax.ragged_dot`): no token dropped and no padding; the shapes depend only on N.
+  XLA (jax 0.10) lowers `ragged_dot` as E masked copies of the rows, so the decoder runs
+  `dropless_tiled`: the same, each expert's run padded to whole tiles of `TILE` rows, a
+  matmul a tile (`tile_matmul`).
 - `capacity`: each expert takes at most C = ceil(factor x N x k / E) assignments (the
   first in token order), gathered into an [E, C, D] buffer and computed as batched
   matmuls; the others contribute nothing. Static [E, C, D] blocks are what an all-to-all
@@ -32,6 +35,10 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+# Rows a tile of `dropless_tiled` (the decoder's dispatch): each expert's run is padded to
+# whole tiles, so a layer computes at most N k + E x TILE rows.
+TILE = 64
 
 
 class Routing(NamedTuple):
@@ -92,6 +99,76 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts,
   h = _mlp(dot(xs, experts.gate), dot(xs, experts.up), act).astype(x.dtype)
   y = dot(h, experts.down) * routing.weights.reshape(-1)[order][:, None]
   return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y).astype(x.dtype)
+
+
+def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
+                   act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
+  """`dropless` without `ragged_dot`: each expert's run padded to whole tiles of `tile`
+  rows, and each tile one dense matmul with its expert's kernel (`tile_matmul`).
+
+  XLA lowers `ragged_dot` as E masked copies of the rows (docs/design/moe.md); here the
+  rows are at most N k + E x tile (the padding), so the bytes and FLOPs grow with the
+  tokens, not with E. The tiles run one after another (`lax.map`): a kernel per tile.
+
+  Returns:
+    [N, D] in x's dtype: `dropless`'s result.
+  """
+  n, k = routing.experts.shape
+  n_experts, d = experts.gate.shape[0], x.shape[-1]
+  m = n * k
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  tokens, chosen = order // k, flat[order]
+  sizes = jnp.bincount(flat, length=n_experts)
+  padded = -(-sizes // tile) * tile  # Each expert's rows, up to whole tiles.
+  ends = jnp.cumsum(padded)
+  rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[chosen]
+  row = (ends - padded)[chosen] + rank  # Each sorted assignment's row.
+  tiles = -(-m // tile) + n_experts  # A static bound on the tiles used.
+  xs = jnp.zeros((tiles * tile, d), x.dtype).at[row].set(x[tokens])
+  # Tile t's expert; tiles past the last expert's are zeros and take the last kernel.
+  owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"),
+                      n_experts - 1).astype(jnp.int32)
+  mm = lambda a, w: tile_matmul(a, w, owner)  # noqa: E731
+  h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(x.dtype)
+  y = mm(h, experts.down)[row] * routing.weights.reshape(-1)[order][:, None]
+  return jnp.zeros((n, d), jnp.float32).at[tokens].add(y).astype(x.dtype)
+
+
+@jax.custom_vjp
+def tile_matmul(a: jax.Array, w: jax.Array, owner: jax.Array) -> jax.Array:
+  """a [tiles x t, K] @ w[owner[i]] [K, M] tile by tile: float32[tiles x t, M].
+
+  A custom vjp: JAX's own transpose of the loop would stack every tile's weight
+  gradient ([tiles, K, M]) before summing them per expert; here each tile's is added
+  into one [E, K, M] accumulator as the backward loop goes."""
+  tiles = owner.shape[0]
+  blocks = a.reshape(tiles, -1, a.shape[-1])
+  out = jax.lax.map(lambda xs: jnp.dot(xs[0], w[xs[1]], preferred_element_type=jnp.float32),
+                    (blocks, owner))
+  return out.reshape(a.shape[0], w.shape[-1])
+
+
+def tile_matmul_fwd(a, w, owner):
+  return tile_matmul(a, w, owner), (a, w, owner)
+
+
+def tile_matmul_bwd(res, g):
+  a, w, owner = res
+  tiles = owner.shape[0]
+  blocks, grads = a.reshape(tiles, -1, a.shape[-1]), g.reshape(tiles, -1, g.shape[-1])
+
+  def tile(dw, xs):
+    x, dy, e = xs
+    da = jnp.dot(dy, w[e].T.astype(jnp.float32), preferred_element_type=jnp.float32)
+    dw = dw.at[e].add(jnp.dot(x.T.astype(jnp.float32), dy, preferred_element_type=jnp.float32))
+    return dw, da.astype(a.dtype)
+
+  dw, da = jax.lax.scan(tile, jnp.zeros(w.shape, jnp.float32), (blocks, grads, owner))
+  return da.reshape(a.shape), dw.astype(w.dtype), None
+
+
+tile_matmul.defvjp(tile_matmul_fwd, tile_matmul_bwd)
 
 
 def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
@@ -283,8 +360,8 @@ class MoeMlp(nn.Module):
     routing = route(h, router.astype(self.dtype), self.k, self.norm_topk_prob)
     if self.capacity_factor:
       out, _ = with_capacity(h, routing, experts, self.capacity_factor, self.act)
-    else:
-      out = dropless(h, routing, experts, self.act)
+    else:  # In tiles, not by `ragged_dot`: XLA lowers that as E copies of the rows.
+      out = dropless_tiled(h, routing, experts, self.act, TILE)
     return out.reshape(B, T, D), stats(routing)
 
 
