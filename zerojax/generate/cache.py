@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.models.llama import KVCache, cache_layout, init_cache
 
-__all__ = ["KVCache", "cache_bytes", "check_model", "init", "shardings", "spec"]
+__all__ = ["KVCache", "cache_bytes", "check_model", "init_cache", "shardings", "spec"]
 
 
 def check_model(model: Any) -> None:
@@ -30,11 +30,6 @@ def check_model(model: Any) -> None:
     raise TypeError(f"{type(model).__name__} has no KV-cached pass (extend(params, tokens, "
                     "positions, cache)): zerojax.generate decodes Llama models; "
                     "generate.greedy(model.logits, ...) decodes any model without a cache")
-
-
-def init(config: Any, batch: int, length: int) -> KVCache:
-  """An empty cache (inside the decoder's `shard_map`: `batch` is this device's rows)."""
-  return init_cache(config, batch, length)
 
 
 def spec(config: Any, data_axes: tuple[str, ...]) -> KVCache:

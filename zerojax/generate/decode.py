@@ -109,7 +109,7 @@ def _decode(model, plan, gather, params, tokens, lengths, stops, max_new, seed, 
 
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
   # The prefill's logits at each prompt's last token only (not [B, T, V] in fp32).
-  logits, kv = model.extend(params, tokens, positions, cache_lib.init(model.config, B, total),
+  logits, kv = model.extend(params, tokens, positions, cache_lib.init_cache(model.config, B, total),
                             last=jnp.maximum(lengths, 1) - 1)
   last = logits[:, 0]
   first = sampling_lib.next_token(last, settings, key, rows, jnp.int32(0))

@@ -118,8 +118,7 @@ def _labels(s: RunSpec, gpu: bool = False) -> dict:
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
                b.grad_reduction, "whole + fp32 params")
   if s.release:
-    fused = gpu and b.shards_params and s.fsdp > 1  # The cast in the gather: memory.step.
-    grads = "non-layer + one layer" + ("" if fused else ", x2")
+    grads = "non-layer + one layer" + ("" if gpu and s.gathers else ", x2")  # memory.step
   buffer_dtype = "float32" if s.update_rule == "master" else s.param_dtype
   return {
       "params": f"params ({s.param_dtype}{shard(b.shards_params)}{params})",

@@ -74,6 +74,11 @@ class RunSpec:
   expert_d_ff: int = 0
 
   @property
+  def gathers(self) -> bool:
+    """Stage 3's per-layer gathers run: params sharded over more than one device."""
+    return self.behaviour.shards_params and self.fsdp > 1
+
+  @property
   def mlp_width(self) -> int:
     """The feed-forward block's hidden width a token uses: d_ff, or k F_e with experts
     (its k experts' rows, the same [.., width] temporaries per token)."""

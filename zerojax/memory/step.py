@@ -156,7 +156,6 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   # the param dtype, then each leaf is upcast and reduced: scattered per microbatch, or
   # once after the whole-gradient accumulation (scattered or all-reduced).
   in_gather = behaviour.grad_reduction == "psum_scatter_in_gather"
-  gathers = behaviour.shards_params and s.fsdp > 1  # Stage 3's gathers (one shard: none).
   # Release (also on one shard, where nothing is gathered) updates each layer in its
   # backward: no stacked layer gradients, its gradients live through the backward.
   through = in_gather or s.release
@@ -165,7 +164,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
     # fp32 copies they are taken against, except where XLA's GPU compiler fuses the cast
     # into a gather (Qwen3-32B on h100:4: 1.45 GiB compiled, the non-layer shards' fp32
     # bytes once). On one shard nothing is gathered: both (issue 35 calibrates it).
-    copies = 1 if platform.backend() == "gpu" and gathers else 2
+    copies = 1 if platform.backend() == "gpu" and s.gathers else 2
     grads = gb * copies * (counts.local - counts.local_layers + counts.local_layers // L)
   elif in_gather:
     grads = gb * (counts.local if full else counts.local + counts.local_layers)

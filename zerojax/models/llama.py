@@ -120,14 +120,18 @@ def _dense(config: LlamaConfig, features: int, names: tuple[str, str], name: str
                   name=name)
 
 
+def _mask(c: LlamaConfig, window: int) -> Mask:
+  """A layer's `Mask`: `window` (0: none) and the family's score scale."""
+  return Mask(window, c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None)
+
+
 def _by_layer(c: LlamaConfig, local: jax.Array | None, attend: Any) -> Any:
   """The layer's attention: `attend(mask)` with its window and scale (`Mask`). In a stack
   of local and global layers (`local` a traced bool) both are compiled and `lax.cond`
   runs the layer's: each kernel keeps a static window (cuDNN's must be)."""
-  scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
   if local is None:  # One kind of layer: local everywhere or nowhere.
-    return attend(Mask(c.sliding_window if any(c.local_layers) else 0, scale))
-  windowed, whole = attend(Mask(c.sliding_window, scale)), attend(Mask(0, scale))
+    return attend(_mask(c, c.sliding_window if any(c.local_layers) else 0))
+  windowed, whole = attend(_mask(c, c.sliding_window)), attend(_mask(c, 0))
   return lambda *args: jax.lax.cond(local, windowed, whole, *args)
 
 
@@ -160,8 +164,7 @@ class Attention(nn.Module):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cache is not None and cache[3] is not None:  # A local layer's ring.
       keys, values, positions, (held, sources) = cache
-      scale = c.query_pre_attn_scalar ** -0.5 if c.query_pre_attn_scalar else None
-      out = ring_attention(q, k, v, keys, values, held, positions, Mask(c.sliding_window, scale))
+      out = ring_attention(q, k, v, keys, values, held, positions, _mask(c, c.sliding_window))
       keys, values = ring_write(keys, k, sources), ring_write(values, v, sources)
     elif cache is not None:
       keys, values, positions, _ = cache
@@ -633,8 +636,8 @@ class LlamaLM:
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
             c, rest, stack_output(c, x), sequence.inputs_and_targets(batch)[1],
-            batch.get("loss_mask")) + router_loss(c, x, stack_output(c, x).shape[0]
-                                                  * stack_output(c, x).shape[1]),
+            batch.get("loss_mask")) + router_loss(c, x, math.prod(
+                stack_output(c, x).shape[:2])),
         stack="layers", offload=c.activation_offload == "host")
 
   def flops_per_token(self, seq_len: int) -> float:

@@ -79,6 +79,23 @@ def _mlp(h_gate: jax.Array, h_up: jax.Array, act: Callable) -> jax.Array:
   return act(h_gate) * h_up  # GLU: act(x W_gate) * (x W_up), as the dense MLP.
 
 
+def _by_expert(routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The N k assignments sorted by expert (stable: token order within an expert):
+  (their ids in token-major order, their tokens, their experts), each int32[N k]."""
+  k = routing.experts.shape[1]
+  flat = routing.experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  return order, order // k, flat[order]
+
+
+def _combine(y: jax.Array, routing: Routing, order: jax.Array, tokens: jax.Array,
+             like: jax.Array) -> jax.Array:
+  """The sorted assignments' outputs y [N k, D] weighted (fp32) and summed onto their
+  tokens: [N, D] in `like`'s dtype."""
+  y = y.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
+  return jnp.zeros(like.shape, jnp.float32).at[tokens].add(y).astype(like.dtype)
+
+
 def dropless(x: jax.Array, routing: Routing, experts: Experts,
              act: Callable = jax.nn.silu) -> jax.Array:
   """Every token through each of its k experts, weighted and summed: [N, D] in x's dtype.
@@ -88,17 +105,12 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts,
   run e by expert e's kernel. The outputs are weighted in fp32 and scattered back onto
   their tokens (a token's k contributions summed in fp32).
   """
-  n, k = routing.experts.shape
-  n_experts = experts.gate.shape[0]
-  flat = routing.experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # Assignment ids sorted by expert.
-  tokens = order // k
-  sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # Tokens per expert.
+  order, tokens, _ = _by_expert(routing)
+  sizes = tokens_per_expert(routing, experts.gate.shape[0])
   xs = x[tokens]  # [N k, D], expert by expert.
   dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)  # noqa: E731
   h = _mlp(dot(xs, experts.gate), dot(xs, experts.up), act).astype(x.dtype)
-  y = dot(h, experts.down) * routing.weights.reshape(-1)[order][:, None]
-  return jnp.zeros((n, x.shape[-1]), jnp.float32).at[tokens].add(y).astype(x.dtype)
+  return _combine(dot(h, experts.down), routing, order, tokens, x)
 
 
 def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
@@ -113,13 +125,10 @@ def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
   Returns:
     [N, D] in x's dtype: `dropless`'s result.
   """
-  n, k = routing.experts.shape
   n_experts, d = experts.gate.shape[0], x.shape[-1]
-  m = n * k
-  flat = routing.experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  tokens, chosen = order // k, flat[order]
-  sizes = jnp.bincount(flat, length=n_experts)
+  order, tokens, chosen = _by_expert(routing)
+  m = order.shape[0]
+  sizes = tokens_per_expert(routing, n_experts)
   padded = -(-sizes // tile) * tile  # Each expert's rows, up to whole tiles.
   ends = jnp.cumsum(padded)
   rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[chosen]
@@ -131,8 +140,7 @@ def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
                       n_experts - 1).astype(jnp.int32)
   mm = lambda a, w: tile_matmul(a, w, owner)  # noqa: E731
   h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(x.dtype)
-  y = mm(h, experts.down)[row] * routing.weights.reshape(-1)[order][:, None]
-  return jnp.zeros((n, d), jnp.float32).at[tokens].add(y).astype(x.dtype)
+  return _combine(mm(h, experts.down)[row], routing, order, tokens, x)
 
 
 @jax.custom_vjp
@@ -149,11 +157,11 @@ def tile_matmul(a: jax.Array, w: jax.Array, owner: jax.Array) -> jax.Array:
   return out.reshape(a.shape[0], w.shape[-1])
 
 
-def tile_matmul_fwd(a, w, owner):
+def _tile_matmul_fwd(a, w, owner):
   return tile_matmul(a, w, owner), (a, w, owner)
 
 
-def tile_matmul_bwd(res, g):
+def _tile_matmul_bwd(res, g):
   a, w, owner = res
   tiles = owner.shape[0]
   blocks, grads = a.reshape(tiles, -1, a.shape[-1]), g.reshape(tiles, -1, g.shape[-1])
@@ -168,7 +176,7 @@ def tile_matmul_bwd(res, g):
   return da.reshape(a.shape), dw.astype(w.dtype), None
 
 
-tile_matmul.defvjp(tile_matmul_fwd, tile_matmul_bwd)
+tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
 def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
@@ -190,13 +198,10 @@ def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axi
   Returns:
     [N, D] in x's dtype: what `dropless` gives with all E experts on every device.
   """
-  n, k = routing.experts.shape
   el = local.gate.shape[0]
   ep = routing.logits.shape[-1] // el
-  m, d = n * k, x.shape[-1]
-  flat = routing.experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)  # Assignments by expert, so by device too.
-  tokens, chosen = order // k, flat[order]
+  order, tokens, chosen = _by_expert(routing)  # By expert, so by device too.
+  m, d = order.shape[0], x.shape[-1]
   dest = chosen // el
   counts = jnp.bincount(dest, length=ep)
   at = (dest, jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest])  # (device, row).
@@ -210,9 +215,7 @@ def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axi
   xs = got[mine]
   h = _mlp(dot(xs, local.gate), dot(xs, local.up), act).astype(x.dtype)
   y = jnp.zeros((ep * m, d), x.dtype).at[mine].set(dot(h, local.down).astype(x.dtype))
-  back = exchange(y.reshape(ep, m, d))[at].astype(jnp.float32)  # [N k, D], sorted order.
-  y = back * routing.weights.reshape(-1)[order][:, None]
-  return jnp.zeros((n, d), jnp.float32).at[tokens].add(y).astype(x.dtype)
+  return _combine(exchange(y.reshape(ep, m, d))[at], routing, order, tokens, x)
 
 
 def capacity(n: int, k: int, n_experts: int, factor: float) -> int:
@@ -268,64 +271,53 @@ def tokens_per_expert(routing: Routing, n_experts: int) -> jax.Array:
   return jnp.bincount(routing.experts.reshape(-1), length=n_experts).astype(jnp.int32)
 
 
-def load_balancing_loss(logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
-  """The auxiliary load-balancing loss as transformers computes it (Switch Transformer's,
-  over every layer's router together), before `router_aux_loss_coef`.
-
-  E x sum_e f_e p_e, where f_e is the number of top-k assignments to expert e and p_e
-  the sum of its softmax probability, each over every layer's tokens and divided by
-  (layers x tokens); masked tokens (padding) count in neither.
-
-  Args:
-    logits: float[L, N, E], each layer's router logits.
-    k: experts a token.
-    mask: float or bool [N], 1 for a token that counts (None: all).
-
-  Returns:
-    float32 scalar.
-  """
-  n_experts = logits.shape[-1]
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  _, chosen = jax.lax.top_k(probs, k)
-  m = jnp.ones(logits.shape[1], jnp.float32) if mask is None else mask.astype(jnp.float32)
-  counts = jnp.sum(jax.nn.one_hot(chosen, n_experts) * m[None, :, None, None], axis=(0, 1, 2))
-  prob_sums = jnp.sum(probs * m[None, :, None], axis=(0, 1))
-  rows = logits.shape[0] * jnp.sum(m)
-  return n_experts * jnp.sum((counts / rows) * (prob_sums / rows))
-
-
-def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-  """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (fp32).
-
-  Args:
-    logits: float[..., N, E].
-    mask: float or bool [N] (None: all tokens).
-  """
-  z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
-  m = jnp.ones(z.shape[-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
-  return jnp.sum(z * m) / (jnp.sum(m) * math.prod(z.shape[:-1]))
-
-
-def stats(routing: Routing) -> jax.Array:
+def stats(routing: Routing, mask: jax.Array | None = None) -> jax.Array:
   """float32[2 E + 1]: one layer's router statistics, summed over its tokens (what the
   auxiliary losses need of every layer): top-k assignments per expert, softmax
-  probability per expert, and logsumexp(logits)^2."""
-  logits = routing.logits
-  n_experts = logits.shape[-1]
-  counts = jnp.sum(jax.nn.one_hot(routing.experts, n_experts, dtype=jnp.float32), axis=(0, 1))
-  probs = jnp.sum(jax.nn.softmax(logits, axis=-1), axis=0)
-  z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+  probability per expert, and logsumexp(logits)^2; `mask` (float or bool [N], None:
+  all) weighs each token (0: padding, counted in none of them)."""
+  logits = routing.logits.astype(jnp.float32)
+  m = jnp.ones(logits.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
+  counts = jnp.einsum("nke,n->e", jax.nn.one_hot(routing.experts, logits.shape[-1]), m)
+  probs = m @ jax.nn.softmax(logits, axis=-1)
+  z = m @ jax.nn.logsumexp(logits, axis=-1) ** 2
   return jnp.concatenate([counts, probs, z[None]])
 
 
-def losses_from_stats(summed: jax.Array, tokens: int, layers: int) -> tuple[jax.Array, jax.Array]:
+def losses_from_stats(summed: jax.Array, tokens: Any, layers: int) -> tuple[jax.Array, jax.Array]:
   """(load-balancing loss, z-loss) from `stats` summed over `layers` layers of `tokens`
-  tokens each: the values `load_balancing_loss` and `router_z_loss` give on those
-  layers' logits."""
+  (counted) tokens each.
+
+  The load-balancing loss is transformers' (Switch Transformer's, over every layer's
+  router together, before `router_aux_loss_coef`): E x sum_e f_e p_e, f_e the top-k
+  assignments to expert e and p_e the sum of its probability, each over every layer's
+  tokens and divided by (layers x tokens). The z-loss is ST-MoE's: the mean of
+  logsumexp(logits)^2.
+  """
   n_experts = (summed.shape[0] - 1) // 2
   rows = tokens * layers
   counts, probs = summed[:n_experts] / rows, summed[n_experts:2 * n_experts] / rows
   return n_experts * jnp.sum(counts * probs), summed[-1] / rows
+
+
+def _logits_losses(logits: jax.Array, k: int, mask: jax.Array | None) -> tuple:
+  """`losses_from_stats` of each layer's router logits float[L, N, E]."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  summed = sum(stats(Routing(layer, jax.lax.top_k(p, k)[1], p), mask)
+               for layer, p in zip(logits, probs))
+  tokens = logits.shape[1] if mask is None else jnp.sum(mask.astype(jnp.float32))
+  return losses_from_stats(summed, tokens, logits.shape[0])
+
+
+def load_balancing_loss(logits: jax.Array, k: int, mask: jax.Array | None = None) -> jax.Array:
+  """The load-balancing loss (`losses_from_stats`) of each layer's router logits
+  float[L, N, E], k experts a token, `mask` float or bool [N] (None: all): float32."""
+  return _logits_losses(logits, k, mask)[0]
+
+
+def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+  """The z-loss (`losses_from_stats`) of each layer's router logits float[L, N, E]."""
+  return _logits_losses(logits, 1, mask)[1]
 
 
 class MoeMlp(nn.Module):
