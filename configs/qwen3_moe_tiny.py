@@ -7,7 +7,8 @@ every layer's MLP a mixture of 8 experts, 2 per token.
 
 Dropless routing (each token's 2 experts, by grouped matmuls: `zerojax.models.moe`), the
 load-balancing loss in the training loss at 0.01. The experts are ZeRO-sharded like any
-other leaf; expert parallelism (a mesh axis for them) is not built yet. From a Hugging
+other leaf; `--config.mesh.expert=2` (or 4, 8) splits them over the devices instead, the
+tokens travelling to their experts by all-to-all (expert parallelism). From a Hugging
 Face Qwen3-MoE folder: add `--config.init_from=DIR` (its error lists the overrides the
 folder's shapes need). Hardware: any CPU (as tiny.py). Data: embedded.
 """

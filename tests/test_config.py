@@ -31,7 +31,7 @@ def write_config(tmp_path, body: str, name: str = "bad.py") -> str:
 def test_base_and_tiny_load_and_validate():
   base = zc.load_config(BASE, num_devices=8)
   assert base.zero.stage == 3 and base.mesh.fsdp == -1
-  assert zc.resolve_mesh_shape(base, 8) == (1, 8)
+  assert zc.resolve_mesh_shape(base, 8) == (1, 1, 8)
   tiny = zc.load_config(TINY, num_devices=8)
   # tiny starts from base: same keys, only values differ.
   assert tiny.to_dict().keys() == base.to_dict().keys()
@@ -61,7 +61,7 @@ def test_overrides_of_each_type():
   assert config.optimizer.name == "sgd"
   assert config.workdir == "/tmp/run 1"
   assert config.optimizer.eps == 1.0 and isinstance(config.optimizer.eps, float)
-  assert zc.resolve_mesh_shape(config, 8) == (2, 4)
+  assert zc.resolve_mesh_shape(config, 8) == (2, 1, 4)
   for text, want in [("0", False), ("1", True), ("false", False), ("True", True)]:
     assert zc.load_config(TINY, [f"optimizer.nesterov={text}"]).optimizer.nesterov is want
 
@@ -224,7 +224,7 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
 def test_cli_prints_resolved_config():
   result = _run_cli("--config", "configs/tiny.py", "--config.zero.stage=1", "--num_devices", "8")
   assert result.returncode == 0, result.stderr
-  assert "stage: 1" in result.stdout and "(1, 8)" in result.stdout
+  assert "stage: 1" in result.stdout and "(1, 1, 8)" in result.stdout
 
 
 # Precision and optimizer combinations: (body run on `c`, key the message must name, more

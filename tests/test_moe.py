@@ -9,6 +9,9 @@ Qwen3-MoE and Mixtral checkpoints written by transformers in the test (random no
 weights; the `hf-check` extra) import with fp32 logits within 1e-4 of transformers',
 the load-balancing loss is transformers' `aux_loss`, export loads back as the same class
 with the same logits; `train.py` trains the tiny MoE config on 8 devices at stage 3.
+Expert parallelism (`mesh.expert`): the same params and losses as the experts on every
+device, gradients reduced in fp32 over the axes that replicate each leaf (from the HLO),
+a checkpoint restored onto another expert split.
 """
 
 import functools
@@ -20,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zerojax import hf, memory
-from zerojax.config import load_config
+import zerojax
+from zerojax import build, hf, memory
+from zerojax.config import ConfigError, load_config
 from zerojax.memory import report
 from zerojax.models import from_config, llama, moe
+from zerojax.testing import hlo
 
 from test_families import Checkpoint, _torch
 from test_train import train_here
@@ -251,18 +256,26 @@ def test_export_loads_as_the_same_class_with_the_same_logits(ckpt, tmp_path):
 
 def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   """`train.py --config configs/qwen3_moe_tiny.py` (8 experts, 2 a token; the
-  load-balancing loss at 0.01 in the loss) at stage 3 over the 8 devices, at one layer
-  and 64 positions (the experts are the point, not the depth): the experts' leaves
-  sharded like any other, the loss falls over 8 steps."""
-  result = train_here("--config", os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
-                      "--config.model.n_layers=1", "--config.train.seq_len=64",
-                      "--config.model.attention_block=64", "--config.model.loss_chunk=64",
-                      "--config.train.steps=8", "--config.train.log_every=1",
-                      "--config.optimizer.warmup_steps=2", "--config.train.eval_every=0",
-                      "--config.train.eval_batches=1", f"--config.workdir={tmp_path}")
-  assert result.returncode == 0, result.stderr[-3000:]
+  load-balancing loss at 0.01 in the loss) at stage 3, at one layer and 64 positions
+  (the experts are the point, not the depth), with expert parallelism: 4 steps on
+  mesh.expert=4 x mesh.fsdp=2, stopped (a checkpoint), resumed on mesh.expert=2 x
+  mesh.fsdp=4 (the checkpoint restores onto the other split) for 4 more; the loss
+  falls over the 8 steps."""
+  common = ("--config", os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
+            "--config.model.n_layers=1", "--config.train.seq_len=64",
+            "--config.model.attention_block=64", "--config.model.loss_chunk=64",
+            "--config.train.steps=8", "--config.train.log_every=1",
+            "--config.optimizer.warmup_steps=2", "--config.train.eval_every=0",
+            "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
+            f"--config.workdir={tmp_path}")
+  first = train_here(*common, "--config.mesh.expert=4", "--config.mesh.fsdp=2", "--stop_after=4")
+  assert first.returncode == 75, first.stderr[-3000:]
+  again = train_here(*common, "--config.mesh.expert=2", "--config.mesh.fsdp=4")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"resumed from {tmp_path}/checkpoints/4" in again.stdout
   records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert records[0]["stage"] == 3 and records[0]["devices"] == 8
+  heads = [r for r in records if "devices" in r]
+  assert [r["mesh"]["expert"] for r in heads] == [4, 2] and heads[0]["stage"] == 3
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
 
@@ -285,3 +298,99 @@ def test_the_planner_counts_the_active_parameters_as_flops_per_token_does():
       6.0 * (memory.active_params(spec) - unmultiplied) + attention)
   header = report.format_table(memory.estimate(spec)).splitlines()[1]
   assert header.startswith("  1.64M params (0.76M active a token: 2 of 8 experts);"), header
+
+
+# The tiny MoE in fp32 with AdamW: 1 layer of 8 experts, 32 positions, 16 sequences.
+EP_RUN = ("precision.param_dtype=float32", "precision.compute_dtype=float32",
+          "optimizer.name=adamw", "optimizer.update_rule=nearest", "optimizer.state_dtype=float32",
+          "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-3", "model.n_layers=1",
+          "train.seq_len=32", "model.attention_block=32", "model.loss_chunk=32",
+          "train.global_batch_size=16", "zero.min_shard_size=64")
+
+
+def _ep_run(ep, stage, steps=5):
+  """(losses, final params as numpy) of `steps` AdamW steps of the tiny MoE on 8 devices
+  as mesh.expert=ep x mesh.fsdp=8/ep at `stage`, on fixed random tokens; the plan."""
+  config = load_config(os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
+                       [f"--config.{o}" for o in (*EP_RUN, f"mesh.expert={ep}",
+                                                   f"zero.stage={stage}")], num_devices=8)
+  built = build.build(config)
+  state = zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (steps, 16, 33), 0, config.model.vocab_size)
+  losses = []
+  for i in range(steps):
+    state, metrics = built.train_step(state, {"tokens": jax.device_put(tokens[i],
+                                                                        built.batch_sharding)})
+    losses.append(float(metrics["loss"]))
+  return losses, jax.tree.map(np.asarray, state.params), built.plan
+
+
+@functools.cache
+def _ep_reference():
+  return _ep_run(1, 0)
+
+
+@pytest.mark.parametrize("ep,stage", [(2, 3), (4, 2), (8, 0)])
+def test_expert_parallel_trains_as_the_experts_on_every_device(ep, stage):
+  """mesh.expert=ep: each device holds 8 / ep experts of every layer (its shard of the
+  experts' stacks [layers, experts, ...] is [1, 8 / ep, ...] at stage 0 too), and the
+  tokens reach them by all-to-all; 5 AdamW steps give the losses and every param of the
+  run with all experts on every device (mesh.expert=1 at stage 0, the same 8 devices and
+  batch split, so the router's per-device losses are the same): fp32, 1e-5."""
+  losses, params, plan = _ep_run(ep, stage)
+  want_losses, want, _ = _ep_reference()
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  worst = max(jax.tree.leaves(jax.tree.map(_relative, params, want)))
+  assert worst < 1e-5, worst
+  mlp = plan.param_specs["layers"]["mlp"]
+  gate = mlp["experts"]["gate_proj"]  # [layers, experts, embed, mlp]: experts over 'expert',
+  assert gate[1] == "expert" and "expert" not in gate[2:], gate  # ZeRO over the rest.
+  # The router is every device's whole (ZeRO-sharded over both axes, like attention).
+  assert plan.expert_dims["layers"]["mlp"]["router"]["kernel"] is None, mlp["router"]
+
+
+def test_expert_parallelism_is_refused_where_it_is_not_built():
+  """mesh.expert needs experts it divides; the capacity mode and gradient release with
+  it are refused (exit 2 in train.py), each naming the key."""
+  moe_tiny = os.path.join(REPO, "configs", "qwen3_moe_tiny.py")
+  cases = [("configs/tiny.py", ["mesh.expert=2"], "no experts"),
+           (moe_tiny, ["mesh.expert=3", "mesh.fsdp=1", "mesh.data=1"], "does not divide"),
+           (moe_tiny, ["mesh.expert=2", "model.expert_capacity_factor=1.5"], "capacity factor"),
+           (moe_tiny, ["mesh.expert=2", "zero.stage=3", "optimizer.release=True",
+                       "optimizer.grad_clip=0.0"], "gradient release")]
+  for path, overrides, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      load_config(path, [f"--config.{o}" for o in overrides], num_devices=8)
+
+
+def test_the_experts_gradients_are_reduced_in_fp32_over_the_axes_that_replicate_them():
+  """The bf16 tiny MoE at stage 3 on mesh.expert=4 x mesh.fsdp=2, read from the HLO as
+  partitioned (before XLA:CPU upcasts bf16 collectives): each layer's experts' gradient
+  (a device's 2 experts, [2, D, F] or [2, F, D]) is reduce-scattered in fp32 over its 2
+  'fsdp' devices only, never over 'expert' (the other devices hold other experts); the
+  attention's over all 8; the tokens go to their experts and back by all-to-alls over
+  the 4 'expert' devices inside the layer loop."""
+  config = load_config(os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
+                       ["--config.mesh.expert=4", "--config.mesh.fsdp=2", "--config.zero.stage=3",
+                        "--config.model.n_layers=2", "--config.train.seq_len=32",
+                        "--config.model.attention_block=32", "--config.model.loss_chunk=32",
+                        "--config.zero.min_shard_size=64"], num_devices=8)
+  assert config.precision.param_dtype == "bfloat16"
+  built = build.build(config)
+  _, text = hlo.compile_partitioned(built.train_step.lower(built.abstract_state,
+                                                           built.abstract_batch))
+  found = hlo.collectives(text)
+  c = from_config(config).config
+  experts = {(2, c.d_model, c.expert_d_ff), (2, c.expert_d_ff, c.d_model)}
+  shard = lambda shape: {s for _, s in shape}  # noqa: E731
+  reductions = [x for x in found if x.op in ("all-reduce", "reduce-scatter")]
+  of_experts = [x for x in reductions if shard(x.operands) & experts]
+  assert of_experts and all(x.op == "reduce-scatter" and x.group_size == 2 and x.in_loop
+                            and {d for d, _ in x.operands} == {"f32"} for x in of_experts), (
+                                of_experts)
+  q = (c.d_model, c.n_heads * c.head_dim)  # A layer's q_proj, gathered over all 8.
+  of_q = [x for x in reductions if q in shard(x.operands)]
+  assert of_q and all(x.group_size == 8 and {d for d, _ in x.operands} == {"f32"}
+                      for x in of_q), of_q
+  exchanges = [x for x in found if x.op == "all-to-all"]
+  assert exchanges and all(x.group_size == 4 and x.in_loop for x in exchanges), exchanges

@@ -197,7 +197,7 @@ def test_two_processes_give_the_losses_of_one(runs):
   assert_close(two, ref, range(1, 12))  # Stage 3, fsdp=8 across both processes.
   head = header(runs["root"] / "killed")
   assert head["processes"] == 2 and head["devices"] == 8
-  assert head["mesh"] == {"data": 1, "fsdp": 8}
+  assert head["mesh"] == {"data": 1, "expert": 1, "fsdp": 8}
   assert "fsdp spans 2 processes" in runs["killed"][0].stdout
   # Only process 0 reports.
   assert runs["killed"][1].stdout.count("loss") == 0 and "loss" in runs["killed"][0].stdout
@@ -241,7 +241,7 @@ def test_a_one_process_checkpoint_resumes_on_two_hybrid_stage_1(runs):
   assert runs["two_rc"] == 0, two.stderr[-3000:]
   head = header(runs["root"] / "two")
   assert head["processes"] == 2 and head["stage"] == 1
-  assert head["mesh"] == {"data": 2, "fsdp": 4}
+  assert head["mesh"] == {"data": 2, "expert": 1, "fsdp": 4}
   assert "[0] " in two.stdout and "fsdp inside each process" in two.stdout
   assert "[0] resumed from" in two.stdout
   assert not [line for line in two.stdout.splitlines()

@@ -271,7 +271,8 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
   records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
   header = records[0]
   assert header["devices"] == 8 and header["stage"] == stage and header["params"] > 0
-  assert header["mesh"] == ({"data": 1, "fsdp": 8} if "fsdp=8" in mesh else {"data": 2, "fsdp": 4})
+  assert header["mesh"] == ({"data": 1, "expert": 1, "fsdp": 8} if "fsdp=8" in mesh
+                            else {"data": 2, "expert": 1, "fsdp": 4})
   losses = [r["loss"] for r in records if "loss" in r]
   assert all(np.isfinite(losses)) and np.isfinite(records[-1]["final_train_loss"]), losses
   if config == TINY and not shape:  # The quick start learns: the loss and held-out loss fall.

@@ -131,15 +131,18 @@ def test_plan_rejects_bad_input():
 
 
 def test_mesh_resolves_rest_and_rejects_mismatch():
-  assert dict(zerojax.make_mesh(2, -1).shape) == {"data": 2, "fsdp": 4}
-  assert dict(zerojax.make_mesh(-1, 2).shape) == {"data": 4, "fsdp": 2}
+  assert dict(zerojax.make_mesh(2, -1).shape) == {"data": 2, "expert": 1, "fsdp": 4}
+  assert dict(zerojax.make_mesh(-1, 2).shape) == {"data": 4, "expert": 1, "fsdp": 2}
+  assert dict(zerojax.make_mesh(1, 2, expert=-1).shape) == {"data": 1, "expert": 4, "fsdp": 2}
   with pytest.raises(ValueError, match="cannot take the rest"):
     zerojax.make_mesh(3, -1)
   with pytest.raises(ValueError, match="available"):
     zerojax.make_mesh(2, 2)
   # 'fsdp' groups are runs of consecutive devices (inside one host when they fit).
   mesh = zerojax.make_mesh(2, 4)
-  assert [d.id for d in mesh.devices[0]] == [0, 1, 2, 3]
+  assert [d.id for d in mesh.devices[0, 0]] == [0, 1, 2, 3]
+  # An 'expert' group is fsdp apart: devices 0, 2, 4, 6 hold the experts of one fsdp shard.
+  assert [d.id for d in zerojax.make_mesh(1, 2, expert=4).devices[0, :, 0]] == [0, 2, 4, 6]
 
 
 def test_state_is_created_sharded():

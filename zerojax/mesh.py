@@ -1,9 +1,16 @@
-"""The device mesh: axes ('data', 'fsdp'), ordered so that 'fsdp' stays inside a host.
+"""The device mesh: axes ('data', 'expert', 'fsdp'), ordered so that 'fsdp' stays inside
+a host.
 
-ZeRO shards its state over the 'fsdp' axis and replicates it over 'data'. Putting the
-fastest-varying axis ('fsdp') on devices of the same host keeps the per-layer gathers
-and reduce-scatters on the fast intra-node links, and only the (already sharded, fp32)
-gradient all-reduce crosses nodes: hybrid sharding.
+ZeRO shards its state over the 'expert' and 'fsdp' axes and replicates it over 'data'.
+Putting the fastest-varying axis ('fsdp') on devices of the same host keeps the
+per-layer gathers and reduce-scatters on the fast intra-node links, and only the
+(already sharded, fp32) gradient all-reduce crosses nodes: hybrid sharding. The batch is
+split over all three.
+
+'expert' is expert parallelism (size 1 without it): a mixture-of-experts block's kernels
+are split over it by expert, each device holding its experts, and tokens travel to their
+experts and back by all-to-all inside the block (`zerojax.models.moe`). For every other
+param it is one more ZeRO axis.
 """
 
 import math
@@ -15,7 +22,9 @@ from jax.sharding import AxisType, Mesh
 
 # Axes in mesh order, slowest-varying first. A 'tensor' axis would go last, so that it
 # lands on the most tightly linked devices.
-MESH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "expert", "fsdp")
+# The expert-parallel axis: the mixture-of-experts blocks' all-to-alls run over it.
+EXPERT_AXIS = "expert"
 
 
 class MeshShapeError(ValueError):
@@ -83,33 +92,37 @@ def resolve_shape(sizes: Sequence[int], num_devices: int,
   return sizes
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, *,
+def make_mesh(data: int = 1, fsdp: int = -1, *, expert: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the ('data', 'fsdp') mesh with `Auto` axis types.
+  """Builds the ('data', 'expert', 'fsdp') mesh with `Auto` axis types.
 
   Devices are sorted by (process, id) and laid out row-major, so each 'fsdp' group is a
   run of consecutive devices: inside one host whenever `fsdp` divides the devices per
-  host (hybrid sharding); across hosts only when asked to be larger.
+  host (hybrid sharding); across hosts only when asked to be larger. An 'expert' group
+  is `fsdp` apart: with expert x fsdp devices a host, inside it too.
 
   Args:
     data: replicas; -1 for the devices left over.
-    fsdp: devices the ZeRO state is sharded over; -1 for the rest.
+    fsdp: devices the ZeRO state is sharded over besides 'expert'; -1 for the rest.
+    expert: devices the mixture-of-experts blocks' experts are split over; -1 for the
+      rest.
     devices: the devices to use; all of `jax.devices()` by default.
 
   Returns:
     A `jax.sharding.Mesh` with axes `MESH_AXES`.
   """
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_shape((data, fsdp), len(devices))
+  shape = resolve_shape((data, expert, fsdp), len(devices))
   devices.sort(key=lambda d: (d.process_index, d.id))
   grid = np.array(devices, dtype=object).reshape(shape)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_from_config(config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The mesh of a validated config (`config.mesh.data`, `config.mesh.fsdp`) over
+  """The mesh of a validated config (`config.mesh.data`, `.expert`, `.fsdp`) over
   `devices` (default: all)."""
-  return make_mesh(config.mesh.data, config.mesh.fsdp, devices=devices)
+  return make_mesh(config.mesh.data, config.mesh.fsdp, expert=config.mesh.expert,
+                   devices=devices)
 
 
 def processes_per_group(mesh: Mesh, axis: str = "fsdp") -> int:

@@ -138,18 +138,19 @@ def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
   other sharded leaves are gathered here; otherwise params are whole already. `params`
   may be in another dtype (the reduce dtype, when differentiating).
   """
-  def leaf(p, d, layered, host, like):
+  def leaf(p, d, layered, host, like, e):
+    axes = plan.axes_of(e)
     if host:  # Gathered (over one shard: moved) by the model, a layer at a time.
-      return stage3.Sharded(p, -1 if d is None else d - p.ndim, plan.shard_axes, like.dtype)
+      return stage3.Sharded(p, -1 if d is None else d - p.ndim, axes, like.dtype)
     if not plan.behaviour.shards_params or d is None:
       return p.astype(like.dtype)
     if layered:
-      return stage3.Sharded(p, d - p.ndim, plan.shard_axes, like.dtype)
-    return stage3.gather_leaf(p, d, plan.shard_axes, like.dtype)
+      return stage3.Sharded(p, d - p.ndim, axes, like.dtype)
+    return stage3.gather_leaf(p, d, axes, like.dtype)
   host = jax.tree.map(lambda h, p: h and streaming.in_host_memory(p), plan.param_offloaded,
                       params)
   seen = jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
-                      is_leaf=lambda d: d is None)
+                      plan.expert_dims, is_leaf=lambda d: d is None)
   if not plan.behaviour.shards_params:
     return seen
   # On XLA:CPU the reduce-scatters of the whole leaves' gathers wait for the backward
@@ -175,16 +176,17 @@ def ordered_batch(seen: PyTree, batch: PyTree) -> PyTree:
   return stage3.after(batch, seen)
 
 
-def sum_unreduced(plan: zero.ZeroPlan, g: jax.Array, dim: int | None) -> jax.Array:
+def sum_unreduced(plan: zero.ZeroPlan, g: jax.Array, dim: int | None,
+                  expert_dim: int | None = None) -> jax.Array:
   """Sums one gradient leaf over the mesh axes no reduce-scatter has summed it over.
 
-  A leaf reduce-scattered over the ZeRO axes (sharded with the optimizer state) still
-  needs the replica axes; any other leaf needs every data axis.
+  A leaf reduce-scattered over its ZeRO axes (sharded with the optimizer state) still
+  needs the replica axes; any other leaf needs every data axis; an experts' kernel never
+  'expert' (`zero.ZeroPlan.reduce_axes`).
   """
   done = plan.behaviour.shards_opt_state and dim is not None
-  over = [a for a in (plan.replica_axes if done else plan.data_axes)
-          if plan.mesh.shape[a] > 1]
-  return jax.lax.psum(g, tuple(over)) if over else g
+  over = plan.reduce_axes(expert_dim, done)
+  return jax.lax.psum(g, over) if over else g
 
 
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
@@ -194,7 +196,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
   The grads are the sums over devices and microbatches of the (loss-scaled)
   gradients; the update half scales them to the mean.
   """
-  dims, axes, behaviour = plan.param_dims, plan.shard_axes, plan.behaviour
+  dims, experts, behaviour = plan.param_dims, plan.expert_dims, plan.behaviour
   per_microbatch = behaviour.grad_reduction == "psum_scatter_per_microbatch"
   is_dim = lambda d: d is None
   sharded = lambda d: d is not None
@@ -205,9 +207,9 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     if not per_microbatch:
       return g
     return jax.tree.map(
-        lambda g, d: g if d is None else jax.lax.psum_scatter(
-            g, axes, scatter_dimension=d, tiled=True),
-        g, dims, is_leaf=is_dim)
+        lambda g, d, e: g if d is None else jax.lax.psum_scatter(
+            g, plan.axes_of(e), scatter_dimension=d, tiled=True),
+        g, dims, experts, is_leaf=is_dim)
 
   def finish(acc):
     """Sums over the mesh axes not yet reduced, in the reduce dtype.
@@ -215,22 +217,22 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     Not yet averaged: the update half multiplies by the mean's scale where XLA can
     fuse it into each consumer (here it would be a second whole fp32 gradient).
     """
-    def leaf(g, d):
+    def leaf(g, d, e):
       g = g.astype(reduce_dtype)
       if behaviour.grad_reduction == "psum_scatter_once" and sharded(d):
         # Half an all-reduce's traffic: the update is per shard.
-        g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
-      return sum_unreduced(plan, g, d)
-    return jax.tree.map(leaf, acc, dims, is_leaf=is_dim)
+        g = jax.lax.psum_scatter(g, plan.axes_of(e), scatter_dimension=d, tiled=True)
+      return sum_unreduced(plan, g, d, e)
+    return jax.tree.map(leaf, acc, dims, experts, is_leaf=is_dim)
 
   def acc_zeros(params):
-    def leaf(p, d):
+    def leaf(p, d, e):
       # `p` is what this device holds (a shard if params are sharded); scattered each
       # microbatch, a whole param's gradient is summed into one shard.
       scattered = per_microbatch and sharded(d)
-      shape = zero.local_shape(p.shape, d if scattered else None, plan.num_shards)
+      shape = zero.local_shape(p.shape, d if scattered else None, plan.shards_of(e))
       return jnp.zeros(shape, accum_dtype)
-    return jax.tree.map(leaf, params, dims, is_leaf=is_dim)
+    return jax.tree.map(leaf, params, dims, experts, is_leaf=is_dim)
 
   def local(params, batch, rng, scale):
     rng = jax.random.fold_in(jax.random.wrap_key_data(rng),

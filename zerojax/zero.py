@@ -30,13 +30,18 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zerojax.mesh import MESH_AXES
+from zerojax.mesh import EXPERT_AXIS, MESH_AXES
 
 PyTree = Any
 
 # Logical axis name of the stacked-layers dimension (flax's nn.scan convention). A leaf
 # with this axis is gathered per layer at stage 3 and never sharded along it.
 LAYERS_AXIS = "layers"
+# Logical axis name of a mixture-of-experts block's expert dimension. On a mesh with an
+# 'expert' axis a leaf with it is split along it over that axis at every stage (each
+# device holds its experts: expert parallelism), and ZeRO shards it over the other
+# shard axes along another dimension.
+EXPERTS_AXIS = "experts"
 # The memory kind of offloaded optimizer state: page-locked host memory, which the
 # device reads and writes by DMA (an unpinned buffer would be staged through a copy).
 HOST_MEMORY = "pinned_host"
@@ -64,13 +69,14 @@ def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
   """The dimension to shard a leaf along, or None to keep it replicated.
 
   The largest dimension divisible by `num_shards`, never the stacked-layers axis (a
-  scan slices it; each layer must keep its own shard). Leaves under `min_size`
-  elements stay replicated: sharding them saves little and costs a collective each.
+  scan slices it; each layer must keep its own shard) nor the experts axis (the expert
+  axis splits it). Leaves under `min_size` elements stay replicated: sharding them saves
+  little and costs a collective each.
   """
   if num_shards == 1 or math.prod(shape) < max(min_size, 1):
     return None
-  candidates = [d for d, n in enumerate(shape)
-                if n % num_shards == 0 and not (names and names[d] == LAYERS_AXIS)]
+  candidates = [d for d, n in enumerate(shape) if n % num_shards == 0
+                and not (names and names[d] in (LAYERS_AXIS, EXPERTS_AXIS))]
   if not candidates:
     return None
   return max(candidates, key=lambda d: (shape[d], -d))
@@ -115,11 +121,14 @@ class StageBehaviour:
                shards_opt_state=stage >= 1, grad_reduction=reduction)
 
 
-def _spec(ndim: int, dim: int | None, axes: tuple[str, ...]) -> P:
-  if dim is None:
+def _spec(ndim: int, dim: int | None, axes: tuple[str, ...], expert_dim: int | None) -> P:
+  if dim is None and expert_dim is None:
     return P()
   entries = [None] * ndim
-  entries[dim] = axes if len(axes) > 1 else axes[0]
+  if dim is not None:
+    entries[dim] = axes if len(axes) > 1 else axes[0]
+  if expert_dim is not None:
+    entries[expert_dim] = EXPERT_AXIS
   return P(*entries)
 
 
@@ -150,6 +159,10 @@ class ZeroPlan:
     param_offload: at stage 3, the layer-stacked parameter shards live in host memory
       (`param_shardings`); the step brings each layer to the device where it is used
       (`zerojax.streaming`). The other params (embedding, head, norms) stay.
+    expert_dims: per parameter leaf, the dimension split over the mesh's 'expert' axis
+      at every stage (an experts' kernel: expert parallelism), or None. Such a leaf is
+      ZeRO-sharded over the shard axes less 'expert' (`leaf_axes`), and its gradient is
+      never summed over 'expert' (each device holds other experts: `reduce_axes`).
   """
   mesh: Mesh
   stage: int
@@ -163,10 +176,35 @@ class ZeroPlan:
   offload: bool = False
   sequence_axes: tuple[str, ...] = ()
   param_offload: bool = False
+  expert_dims: PyTree = None
 
   @property
   def num_shards(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.shard_axes)
+
+  def axes_of(self, expert_dim: int | None) -> tuple[str, ...]:
+    """The ZeRO axes of a leaf: `shard_axes`, less 'expert' for an experts' kernel, and
+    less the axes of size 1 (unless none is larger: a spec then names no axis anyway)."""
+    axes = tuple(a for a in self.shard_axes if expert_dim is None or a != EXPERT_AXIS)
+    return tuple(a for a in axes if self.mesh.shape[a] > 1) or axes
+
+  def shards_of(self, expert_dim: int | None) -> int:
+    """How many ZeRO shards a leaf has (`axes_of`'s devices)."""
+    return math.prod(self.mesh.shape[a] for a in self.axes_of(expert_dim))
+
+  def reduce_axes(self, expert_dim: int | None, scattered: bool) -> tuple[str, ...]:
+    """The axes of size > 1 a gradient leaf is still summed over by an all-reduce: every
+    data axis, less the leaf's ZeRO axes once a reduce-scatter over them is done
+    (`scattered`), less 'expert' for an experts' kernel (each device holds its own)."""
+    skip = set(self.axes_of(expert_dim)) if scattered else set()
+    if expert_dim is not None:
+      skip.add(EXPERT_AXIS)
+    return tuple(a for a in self.data_axes if a not in skip and self.mesh.shape[a] > 1)
+
+  @property
+  def param_axes(self) -> PyTree:
+    """Per parameter leaf, its ZeRO axes (`axes_of`)."""
+    return jax.tree.map(self.axes_of, self.expert_dims, is_leaf=lambda d: d is None)
 
   @property
   def behaviour(self) -> StageBehaviour:
@@ -198,26 +236,35 @@ class ZeroPlan:
     """Axes that hold copies of the same shard (the 'data' axis of a hybrid mesh)."""
     return tuple(a for a in self.data_axes if a not in self.shard_axes)
 
-  def _specs(self, dims: PyTree, like: PyTree, sharded: bool) -> PyTree:
+  def _specs(self, dims: PyTree, expert_dims: PyTree, like: PyTree, sharded: bool) -> PyTree:
+    is_dim = lambda d: d is None
     return jax.tree.map(
-        lambda d, x: _spec(len(x.shape), d if sharded else None, self.shard_axes),
-        dims, like, is_leaf=lambda d: d is None)
+        lambda d, e, x: _spec(len(x.shape), d if sharded else None, self.axes_of(e), e),
+        dims, expert_dims, like, is_leaf=is_dim)
 
   @property
   def param_specs(self) -> PyTree:
     """PartitionSpecs of the stored parameters."""
-    return self._specs(self.param_dims, self.params, self.behaviour.shards_params)
+    return self._specs(self.param_dims, self.expert_dims, self.params,
+                       self.behaviour.shards_params)
 
   @property
   def grad_specs(self) -> PyTree:
     """PartitionSpecs of the reduced gradients, which is also the layout the optimizer
     update runs in: sharded with the optimizer state, each device updating its shard."""
-    return self._specs(self.param_dims, self.params, self.behaviour.shards_opt_state)
+    return self._specs(self.param_dims, self.expert_dims, self.params,
+                       self.behaviour.shards_opt_state)
+
+  @property
+  def opt_expert_dims(self) -> PyTree:
+    """Per optimizer-state leaf, the dimension split over 'expert' (`expert_dims`)."""
+    return self.opt_like(self.expert_dims, None)
 
   @property
   def opt_specs(self) -> PyTree:
     """PartitionSpecs of the optimizer state."""
-    return self._specs(self.opt_dims, self.opt_state, self.behaviour.shards_opt_state)
+    return self._specs(self.opt_dims, self.opt_expert_dims, self.opt_state,
+                       self.behaviour.shards_opt_state)
 
   def opt_like(self, tree: PyTree, other: Any) -> PyTree:
     """A tree shaped like the optimizer state, from one shaped like the params.
@@ -298,7 +345,7 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               opt_state: PyTree | None = None,
               logical_axes: PyTree | None = None,
               min_shard_size: int = 4096,
-              shard_axes: tuple[str, ...] = ("fsdp",),
+              shard_axes: tuple[str, ...] | None = None,
               offload: bool = False,
               sequence_axes: tuple[str, ...] = (),
               param_offload: bool = False) -> ZeroPlan:
@@ -313,9 +360,11 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     opt_state: the optimizer state (or shapes) instead of `tx`.
     logical_axes: optional pytree matching `params` whose leaves are tuples of axis
       names, one per dimension (as flax's `nn.get_partition_spec` gives). A leaf with a
-      'layers' axis is gathered per layer at stage 3 and never sharded along that axis.
+      'layers' axis is gathered per layer at stage 3 and never sharded along that axis;
+      one with an 'experts' axis is split along it over the mesh's 'expert' axis.
     min_shard_size: leaves with fewer elements stay replicated.
-    shard_axes: mesh axes to shard over; ('data', 'fsdp') shards over every device.
+    shard_axes: mesh axes to shard over; by default 'expert' and 'fsdp' (those the mesh
+      has); ('data', 'expert', 'fsdp') shards over every device.
     offload: keep the optimizer state's param-shaped leaves in host memory.
     sequence_axes: mesh axes to split each sequence over (sequence parallelism;
       `zerojax.sequence`); the batch's examples are split over the other axes.
@@ -331,13 +380,14 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
   if param_offload and stage != 3:
     raise ValueError(f"parameter offload streams stage 3's layers; this is stage {stage}")
+  if shard_axes is None:
+    shard_axes = tuple(a for a in (EXPERT_AXIS, "fsdp") if a in mesh.axis_names)
   unknown = set(shard_axes) - set(mesh.axis_names)
   if unknown:
     raise ValueError(f"shard axes {sorted(unknown)} are not mesh axes {mesh.axis_names}")
   data_axes = tuple(a for a in mesh.axis_names if a in MESH_AXES)
   if set(sequence_axes) - set(data_axes):
     raise ValueError(f"sequence axes {sequence_axes} are not data axes {data_axes}")
-  shards = math.prod(mesh.shape[a] for a in shard_axes)
   if logical_axes is None:
     logical_axes = jax.tree.map(lambda _: None, params)
   is_names = lambda x: x is None or (isinstance(x, tuple) and all(
@@ -346,15 +396,30 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     names = jax.tree.map(lambda n, _: n, logical_axes, params, is_leaf=is_names)
   except ValueError as e:
     raise ValueError(f"logical_axes does not match the params tree: {e}") from None
+  has_experts = EXPERT_AXIS in mesh.axis_names
 
-  def leaf_dim(x, n):
+  def expert_dim(x, n):
     if n is not None and len(n) != len(x.shape):
       raise ValueError(f"logical axes {n} do not fit a leaf of shape {x.shape}")
+    if not (has_experts and n and EXPERTS_AXIS in n):
+      return None
+    d = n.index(EXPERTS_AXIS)
+    if x.shape[d] % mesh.shape[EXPERT_AXIS]:
+      raise ValueError(f"a leaf of shape {x.shape} has {x.shape[d]} experts, which the "
+                       f"mesh's {mesh.shape[EXPERT_AXIS]} expert devices do not divide")
+    return d
+
+  expert_dims = jax.tree.map(expert_dim, params, names, is_leaf=is_names)
+  dims_of = lambda e: tuple(a for a in shard_axes if e is None or a != EXPERT_AXIS)
+
+  def leaf_dim(x, n, e):
+    shards = math.prod(mesh.shape[a] for a in dims_of(e))
     return shard_dim(tuple(x.shape), n, shards, min_shard_size)
 
-  param_dims = jax.tree.map(leaf_dim, params, names, is_leaf=is_names)
+  param_dims = jax.tree.map(leaf_dim, params, names, expert_dims, is_leaf=is_names)
   per_layer = jax.tree.map(lambda n, _: bool(n and LAYERS_AXIS in n), names, params,
                            is_leaf=is_names)
+  shards = math.prod(mesh.shape[a] for a in shard_axes)
   if opt_state is None:
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else ()
   # A subtree of the state that mirrors the params (Adam's mu and nu, a Kahan buffer)
@@ -376,7 +441,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
                   data_axes=data_axes, params=abstract(params),
                   opt_state=abstract(opt_state), param_dims=param_dims,
                   per_layer=per_layer, opt_dims=opt_dims, offload=offload,
-                  sequence_axes=tuple(sequence_axes), param_offload=param_offload)
+                  sequence_axes=tuple(sequence_axes), param_offload=param_offload,
+                  expert_dims=expert_dims)
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:

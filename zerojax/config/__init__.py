@@ -367,5 +367,5 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(config, end="")
   if args.num_devices is not None:
     shape = resolve_mesh_shape(config, args.num_devices)
-    print(f"# mesh (data, fsdp) on {args.num_devices} devices: {shape}")
+    print(f"# mesh (data, expert, fsdp) on {args.num_devices} devices: {shape}")
   return 0

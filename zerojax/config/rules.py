@@ -30,22 +30,24 @@ from zerojax.mesh import MeshShapeError, resolve_shape
 
 
 def resolve_mesh_shape(config: ml_collections.ConfigDict, num_devices: int, *,
-                       source: Source = "the config") -> tuple[int, int]:
-  """Returns the (data, fsdp) mesh shape for `num_devices`, a -1 taking the devices left over.
+                       source: Source = "the config") -> tuple[int, int, int]:
+  """Returns the (data, expert, fsdp) mesh shape for `num_devices`, a -1 taking the devices
+  left over.
 
   The arithmetic and its messages are `zerojax.mesh.resolve_shape`'s, in the config's key
   names.
 
   Raises:
-    ConfigError: both sizes are -1, a -1 cannot take an even share, or the product is not
+    ConfigError: two sizes are -1, a -1 cannot take an even share, or the product is not
       num_devices.
   """
+  keys = ("mesh.data", "mesh.expert", "mesh.fsdp")
   try:
-    return resolve_shape((config.mesh.data, config.mesh.fsdp), num_devices,
-                         names=("mesh.data", "mesh.fsdp"))
+    return resolve_shape((config.mesh.data, config.mesh.expert, config.mesh.fsdp), num_devices,
+                         names=keys)
   except MeshShapeError as e:
-    raise ConfigError(e.problem, key=e.key or "mesh",
-                      source=source_of(source, "mesh.data", "mesh.fsdp"), fix=e.fix) from None
+    raise ConfigError(e.problem, key=e.key or "mesh", source=source_of(source, *keys),
+                      fix=e.fix) from None
 
 
 def _check_batch(config: ml_collections.ConfigDict, dp: int, what: str, source: Source) -> None:
@@ -119,11 +121,36 @@ def _check_model(config: ml_collections.ConfigDict, source: Source) -> None:
         raise ConfigError(f"{why} with experts (model.n_experts={m.n_experts}) is not built: "
                           "the router's losses would count each tile or slice on its own.",
                           key=key, source=source_of(source, key), fix=f"unset {key}")
+    _check_experts(config, source)
     if not m.head_size and (m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2):
       raise ConfigError(f"d_model={m.d_model} must split into n_heads={m.n_heads} heads of even "
                         "size (rotary embeddings rotate pairs).", key="model.d_model",
                         source=where, fix="choose d_model divisible by 2 * n_heads, or set "
                         "model.head_size")
+
+
+def _check_experts(config: ml_collections.ConfigDict, source: Source) -> None:
+  """mesh.expert (expert parallelism) against the model's experts."""
+  m, ep = config.model, config.mesh.expert
+  if ep == 1:
+    return
+  where = source_of(source, "mesh.expert", "model.n_experts")
+  if not m.n_experts:
+    raise ConfigError(f"is {ep}, and the model has no experts (model.n_experts=0): the axis "
+                      "would only be one more ZeRO axis.", key="mesh.expert", source=where,
+                      fix="use mesh.expert=1 (and mesh.fsdp for the devices)")
+  if ep > 0 and m.n_experts % ep:
+    divisors = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]
+    raise ConfigError(f"={ep} does not divide model.n_experts={m.n_experts}: each device "
+                      "holds the same number of experts.", key="mesh.expert", source=where,
+                      fix=f"use one of {divisors}")
+  for bad, key, why in [(m.expert_capacity_factor, "model.expert_capacity_factor",
+                         "a capacity factor"),
+                        (config.optimizer.release, "optimizer.release", "gradient release")]:
+    if bad:
+      raise ConfigError(f"{why} with expert parallelism (mesh.expert={ep}) is not built yet.",
+                        key=key, source=source_of(source, key, "mesh.expert"),
+                        fix=f"unset {key}, or use mesh.expert=1")
 
 
 def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:
@@ -389,10 +416,13 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   values, _ = flatten(config)
   for key, default in flat_schema()[0].items():
     check_value(key, values[key], default, source_of(source, key))
-  if config.mesh.data == -1 and config.mesh.fsdp == -1:
-    raise ConfigError("mesh.data and mesh.fsdp are both -1; at most one may take the devices left "
-                      "over.", key="mesh", source=source_of(source, "mesh.data", "mesh.fsdp"),
-                      fix="give one of them a size")
+  free = [k for k in ("data", "expert", "fsdp") if config.mesh[k] == -1]
+  if len(free) > 1:
+    keys = [f"mesh.{k}" for k in free]
+    raise ConfigError(f"{' and '.join(keys)} are {'both' if len(keys) == 2 else 'all'} -1; at "
+                      "most one may take the devices left "
+                      "over.", key="mesh", source=source_of(source, *keys),
+                      fix="give all but one of them a size")
   if config.optimizer.warmup_steps > config.train.steps:
     raise ConfigError(f"warmup of {config.optimizer.warmup_steps} steps is longer than train.steps="
                       f"{config.train.steps}.", key="optimizer.warmup_steps",
@@ -410,13 +440,15 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
                       fix=f"use model.context <= {config.train.seq_len}")
   sp = config.mesh.sequence_parallel  # The examples are split over 'data' only.
   if num_devices is not None:
-    data, fsdp = resolve_mesh_shape(config, num_devices, source=source)
-    _check_batch(config, data if sp else data * fsdp,
+    data, expert, fsdp = resolve_mesh_shape(config, num_devices, source=source)
+    _check_batch(config, data * expert if sp else data * expert * fsdp,
                  f"the example-parallel size (mesh.data = {data}; sequence parallelism splits "
                  "each sequence over mesh.fsdp)" if sp else
-                 f"the data-parallel size (mesh.data x mesh.fsdp = {data * fsdp})", source)
+                 "the data-parallel size (mesh.data x mesh.expert x mesh.fsdp = "
+                 f"{data * expert * fsdp})", source)
   else:
-    sizes = (config.mesh.data,) if sp else (config.mesh.data, config.mesh.fsdp)
+    sizes = (config.mesh.data, config.mesh.expert) if sp else (
+        config.mesh.data, config.mesh.expert, config.mesh.fsdp)
     fixed = math.prod(s for s in sizes if s > 0)
     _check_batch(config, fixed, f"the fixed mesh sizes ({fixed})" if fixed > 1 else "", source)
     fsdp = config.mesh.fsdp if config.mesh.fsdp > 0 else None

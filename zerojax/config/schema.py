@@ -63,8 +63,11 @@ _ROWS = (
           "config.json); a resumed checkpoint wins."),
     # mesh
     Field("mesh.data", 1, "Replicas ('data' axis); -1 = the devices left over.", range=MESH_SIZE),
-    Field("mesh.fsdp", -1, "Devices the ZeRO state is sharded over ('fsdp' axis); -1 = the rest.",
-          range=MESH_SIZE),
+    Field("mesh.fsdp", -1, "Devices the ZeRO state is sharded over ('fsdp' axis) besides 'expert'; "
+          "-1 = the rest.", range=MESH_SIZE),
+    Field("mesh.expert", 1, "Devices the experts are split over ('expert' axis: expert "
+          "parallelism, all-to-all inside each MoE block); divides model.n_experts. The "
+          "other params are ZeRO-sharded over it too; -1 = the rest.", range=MESH_SIZE),
     Field("mesh.sequence_parallel", False, "Split each sequence over the 'fsdp' devices by "
           "position (Ulysses attention: all-to-all to whole sequences for a share of the "
           "heads), the examples over 'data' only; llama, fsdp must divide n_heads and "

@@ -56,6 +56,7 @@ def restore(workdir: str, step: int | None = None) -> tuple[Any, Any, Any, int]:
       raise HFError(f"model {config.model.name!r} is not a Llama", path=directory)
     # Every device here, whatever the run had: stage 3 over all of them.
     config.zero.stage, config.mesh.data, config.mesh.fsdp = 3, 1, -1
+    config.mesh.expert = 1
     built = build.build(config)
     state, meta = ckpt.restore(step, built.plan) if step else ckpt.restore_latest(built.plan)
     print(f"restored {directory}/{meta['step']}", flush=True)

@@ -2,21 +2,20 @@
 the estimate's components by their shapes."""
 
 import collections
-import functools
 import re
 
-from zerojax.memory.spec import RunSpec, _leaves, _local_shape
+from zerojax.memory.spec import RunSpec, _leaves
 
 
 def attribute(s: RunSpec, buffers: list[tuple[int, str, str]]) -> dict:
   """Compiled temporaries at the peak, by estimate component, from their shapes."""
   # A device's positions: its slice of each sequence with sequence parallelism.
   V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.positions, s.batch
-  local = functools.partial(_local_shape, s)
   leaves = _leaves(s)
-  stacks = {x for x, layered, _ in leaves if layered} | {local(x, True) for x, l, _ in leaves if l}
-  layer = {x[1:] for x, layered, _ in leaves if layered}
-  vocab, vocab_local = {(V, D), (D, V)}, {local(x, False) for x, _, v in leaves if v}
+  stacks = {x for x, layered, _, _ in leaves if layered} | {
+      shard for _, layered, _, shard in leaves if layered}
+  layer = {x[1:] for x, layered, _, _ in leaves if layered}
+  vocab, vocab_local = {(V, D), (D, V)}, {shard for _, _, v, shard in leaves if v}
   out, gathers = collections.Counter(), s.behaviour.shards_params
   for size, text, _ in buffers:
     m = re.match(r"(\w+)\[([\d,]*)\]", text)

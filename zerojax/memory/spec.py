@@ -7,7 +7,7 @@ import math
 
 from zerojax import models
 from zerojax.config.rules import resolve_mesh_shape
-from zerojax.zero import StageBehaviour, local_shape, shard_dim
+from zerojax.zero import EXPERTS_AXIS, StageBehaviour, local_shape, shard_dim
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Devices one node holds, for host memory per node when no target says (the common 8-GPU
@@ -43,7 +43,7 @@ class RunSpec:
   stage: int
   min_shard_size: int
   data: int
-  fsdp: int
+  fsdp: int  # ZeRO shards of every param but the experts': mesh.expert x mesh.fsdp.
   batch: int  # Sequences (whole, or their slices with sequence parallelism) per device per
   # microbatch.
   microbatches: int
@@ -72,6 +72,7 @@ class RunSpec:
   n_experts: int = 0
   experts_per_token: int = 0
   expert_d_ff: int = 0
+  expert: int = 1  # Devices the experts are split over (mesh.expert), within `fsdp`.
 
   @property
   def gathers(self) -> bool:
@@ -88,7 +89,8 @@ class RunSpec:
   def from_config(cls, config, devices: int) -> "RunSpec":
     """Raises ConfigError when the mesh does not fit `devices`."""
     m, p, o, t = config.model, config.precision, config.optimizer, config.train
-    data, fsdp = resolve_mesh_shape(config, devices)
+    data, expert, fsdp = resolve_mesh_shape(config, devices)
+    fsdp *= expert  # The ZeRO shards of every param but the experts' (`expert_shards`).
     shapes = models.from_config(config).param_shapes().values()
     sp = bool(config.mesh.sequence_parallel)  # The examples are split over 'data' only.
     return cls(
@@ -112,7 +114,7 @@ class RunSpec:
         post_norms=bool(m.get("post_norms", False)) and m.name == "llama",
         n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
         experts_per_token=int(m.get("experts_per_token", 0)),
-        expert_d_ff=int(m.get("expert_d_ff", 0)))
+        expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert)
 
   @property
   def devices(self) -> int:
@@ -144,15 +146,22 @@ class RunSpec:
     return StageBehaviour.of(self.stage, self.fsdp)
 
 
-def _leaves(s: RunSpec) -> list[tuple[tuple[int, ...], bool, bool]]:
-  """(shape, layer-stacked, vocab-sized) of every parameter leaf, as the model makes them."""
-  return [(shape, "layers" in names, "vocab" in names) for shape, names in s.param_shapes]
+def _leaves(s: RunSpec) -> list[tuple[tuple[int, ...], bool, bool, tuple[int, ...]]]:
+  """(shape, layer-stacked, vocab-sized, one device's shard) of every parameter leaf, as
+  the model makes them and the plan shards them."""
+  return [(shape, "layers" in names, "vocab" in names, _local_shape(s, shape, names))
+          for shape, names in s.param_shapes]
 
 
-def _local_shape(s: RunSpec, shape: tuple[int, ...], layered: bool) -> tuple[int, ...]:
-  """One device's shard of a leaf, by the plan's rule (`zero.shard_dim`)."""
-  names = ("layers",) + (None,) * (len(shape) - 1) if layered else None
-  return local_shape(shape, shard_dim(shape, names, s.fsdp, s.min_shard_size), s.fsdp)
+def _local_shape(s: RunSpec, shape: tuple[int, ...],
+                 names: tuple[str | None, ...]) -> tuple[int, ...]:
+  """One device's shard of a leaf, by the plan's rule (`zero.make_plan`): an experts'
+  kernel split over the `expert` devices by expert, then ZeRO over the rest."""
+  shards = s.fsdp
+  if EXPERTS_AXIS in names:
+    shape = local_shape(shape, names.index(EXPERTS_AXIS), s.expert)
+    shards //= s.expert
+  return local_shape(shape, shard_dim(shape, names, shards, s.min_shard_size), shards)
 
 
 class Counts(collections.namedtuple("Counts", "total layers local local_layers largest")):
@@ -173,8 +182,8 @@ def active_params(s: RunSpec) -> int:
 
 def param_counts(s: RunSpec) -> Counts:
   total = layers = local = local_layers = largest = 0
-  for shape, layered, _ in _leaves(s):
-    n, n_local = math.prod(shape), math.prod(_local_shape(s, shape, layered))
+  for shape, layered, _, shard in _leaves(s):
+    n, n_local = math.prod(shape), math.prod(shard)
     total, local = total + n, local + n_local
     if layered:
       layers, local_layers, largest = layers + n, local_layers + n_local, max(largest, n)

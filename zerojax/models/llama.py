@@ -550,7 +550,7 @@ def param_shapes(config: LlamaConfig) -> ParamShapes:
     for name in ("gate_proj", "up_proj", "down_proj"):
       del layer[("mlp", name, "kernel")]
     layer.update({
-        ("mlp", "router", "kernel"): ((D, E), ("embed", "experts")),
+        ("mlp", "router", "kernel"): ((D, E), ("embed", "router")),
         ("mlp", "experts", "gate_proj"): ((E, D, Fe), ("experts", "embed", "mlp")),
         ("mlp", "experts", "up_proj"): ((E, D, Fe), ("experts", "embed", "mlp")),
         ("mlp", "experts", "down_proj"): ((E, Fe, D), ("experts", "mlp", "embed"))})

@@ -36,6 +36,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zerojax.mesh import EXPERT_AXIS
+from zerojax.runtime import jax_internals
+
 # Rows a tile of `dropless_tiled` (the decoder's dispatch): each expert's run is padded to
 # whole tiles, so a layer computes at most N k + E x TILE rows.
 TILE = 64
@@ -116,31 +119,51 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts,
 def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
                    act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
   """`dropless` without `ragged_dot`: each expert's run padded to whole tiles of `tile`
-  rows, and each tile one dense matmul with its expert's kernel (`tile_matmul`).
+  rows, and each tile one dense matmul with its expert's kernel (`tiled_experts`).
 
   XLA lowers `ragged_dot` as E masked copies of the rows (docs/design/moe.md); here the
   rows are at most N k + E x tile (the padding), so the bytes and FLOPs grow with the
-  tokens, not with E. The tiles run one after another (`lax.map`): a kernel per tile.
+  tokens, not with E.
 
   Returns:
     [N, D] in x's dtype: `dropless`'s result.
   """
-  n_experts, d = experts.gate.shape[0], x.shape[-1]
   order, tokens, chosen = _by_expert(routing)
-  m = order.shape[0]
-  sizes = tokens_per_expert(routing, n_experts)
+  return _combine(tiled_experts(x[tokens], chosen, experts, act, tile), routing, order,
+                  tokens, x)
+
+
+def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
+                  act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
+  """Each row through its expert's MLP: rows [M, D], ids int32[M] (E: an empty row,
+  through none) -> float32[M, D] (an empty row: 0).
+
+  The rows are sorted by expert (stable), each expert's run padded to whole tiles of
+  `tile` rows (at most M + E x tile rows, a static bound), and each tile is one dense
+  matmul with its expert's kernel (`tile_matmul`); the tiles run one after another
+  (`lax.map`): a kernel per tile.
+  """
+  n_experts, d = experts.gate.shape[0], rows.shape[-1]
+  m = rows.shape[0]
+  order = jnp.argsort(ids, stable=True)  # Empty rows last.
+  chosen = ids[order]
+  sizes = jnp.bincount(ids, length=n_experts + 1)[:n_experts]
   padded = -(-sizes // tile) * tile  # Each expert's rows, up to whole tiles.
   ends = jnp.cumsum(padded)
-  rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[chosen]
-  row = (ends - padded)[chosen] + rank  # Each sorted assignment's row.
+  starts = jnp.cumsum(sizes) - sizes
+  used = chosen < n_experts
+  expert = jnp.minimum(chosen, n_experts - 1)
   tiles = -(-m // tile) + n_experts  # A static bound on the tiles used.
-  xs = jnp.zeros((tiles * tile, d), x.dtype).at[row].set(x[tokens])
+  # Each sorted row's place; an empty row goes to a spare tile at the end, sliced off.
+  row = jnp.where(used, (ends - padded)[expert] + jnp.arange(m) - starts[expert], tiles * tile)
+  xs = jnp.zeros((tiles * tile + 1, d), rows.dtype).at[row].set(rows[order])[:-1]
   # Tile t's expert; tiles past the last expert's are zeros and take the last kernel.
   owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"),
                       n_experts - 1).astype(jnp.int32)
   mm = lambda a, w: tile_matmul(a, w, owner)  # noqa: E731
-  h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(x.dtype)
-  return _combine(mm(h, experts.down)[row], routing, order, tokens, x)
+  h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(rows.dtype)
+  y = jnp.pad(mm(h, experts.down), ((0, 1), (0, 0)))[row]  # Sorted; empty rows: 0.
+  return jnp.zeros((m, d), jnp.float32).at[order].set(y)
 
 
 @jax.custom_vjp
@@ -172,7 +195,17 @@ def _tile_matmul_bwd(res, g):
     dw = dw.at[e].add(jnp.dot(x.T.astype(jnp.float32), dy, preferred_element_type=jnp.float32))
     return dw, da.astype(a.dtype)
 
-  dw, da = jax.lax.scan(tile, jnp.zeros(w.shape, jnp.float32), (blocks, grads, owner))
+  # Inside a shard_map that checks replication, the tiles vary over the token axes; the
+  # accumulator starts varying as they do, and the kernel's gradient is summed over the
+  # axes the kernel does not vary over (its cotangent is the whole sum there). The
+  # train step's shard_map does not check (no axis varies): it sums gradients itself.
+  vma = jax_internals.varying_axes
+  vary = tuple(sorted(vma(blocks) | vma(grads) | vma(owner) | vma(w)))
+  dw = jnp.zeros(w.shape, jnp.float32)
+  dw = jax.lax.pcast(dw, vary, to="varying") if vary else dw
+  dw, da = jax.lax.scan(tile, dw, (blocks, grads, owner))
+  extra = tuple(sorted(vma(dw) - vma(w)))
+  dw = jax.lax.psum(dw, extra) if extra else dw
   return da.reshape(a.shape), dw.astype(w.dtype), None
 
 
@@ -180,15 +213,19 @@ tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
 def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
-                             act: Callable = jax.nn.silu) -> jax.Array:
+                             act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
   """`dropless` with the experts split over mesh axis `axis` (inside `jax.shard_map`).
 
   The device at index r of `axis` (size ep) holds experts [r El, (r + 1) El) of the E =
   ep El (`local`: their kernels, El on the leading axis); each device routes its own N
   tokens over all E (`routing`). Its N k assignments, sorted by expert, go to the
-  devices holding their experts by one `all_to_all`, are computed there by grouped
-  matmuls over everything the device received, and come back by a second, to be
-  weighted and summed onto their tokens as `dropless` does.
+  devices holding their experts by one `all_to_all`, are computed there in tiles
+  (`tiled_experts`) over everything the device received, and come back by a second, to
+  be weighted and summed onto their tokens as `dropless` does.
+
+  The step's `shard_map` does not check replication (`check_vma=False`): the experts'
+  gradient on a device is its own tokens' part, and the step sums it over the axes that
+  replicate the experts (`zero.ZeroPlan.reduce_axes`), as for every other param.
 
   The all-to-all buffers are static: ep blocks of N k rows a device (the dropless worst
   case, every assignment to one device), so each all-to-all moves ep N k D values a
@@ -209,12 +246,7 @@ def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axi
   ids = jnp.full((ep, m), el, jnp.int32).at[at].set(chosen % el)  # el: an empty row.
   exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
   got, got_ids = exchange(send).reshape(ep * m, d), exchange(ids).reshape(ep * m)
-  mine = jnp.argsort(got_ids, stable=True)  # By local expert; empty rows last.
-  sizes = jnp.bincount(got_ids, length=el + 1)[:el].astype(jnp.int32)
-  dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)  # noqa: E731
-  xs = got[mine]
-  h = _mlp(dot(xs, local.gate), dot(xs, local.up), act).astype(x.dtype)
-  y = jnp.zeros((ep * m, d), x.dtype).at[mine].set(dot(h, local.down).astype(x.dtype))
+  y = tiled_experts(got, got_ids, local, act, tile).astype(x.dtype)
   return _combine(exchange(y.reshape(ep, m, d))[at], routing, order, tokens, x)
 
 
@@ -326,7 +358,10 @@ class MoeMlp(nn.Module):
 
   Params: `router/kernel` [D, E] and `experts/{gate,up,down}_proj` ([E, D, F], [E, D, F],
   [E, F, D]), in `param_dtype`, with logical axes 'embed', 'experts', 'mlp'. Routing is
-  in fp32; the experts' matmuls take `dtype` inputs and accumulate in fp32.
+  in fp32; the experts' matmuls take `dtype` inputs and accumulate in fp32. Given fewer
+  than E experts (inside the step's `shard_map`, a plan over a mesh with an 'expert'
+  axis gives each device E / ep of them), the block dispatches by all-to-all over that
+  axis (`dropless_expert_parallel`).
   """
   n_experts: int
   k: int
@@ -341,7 +376,8 @@ class MoeMlp(nn.Module):
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     B, T, D = x.shape
     E, F = self.n_experts, self.d_ff
-    (router,) = _Params((("kernel", (D, E), ("embed", "experts")),), self.param_dtype,
+    # The router's expert dimension is not 'experts': every device needs all of it.
+    (router,) = _Params((("kernel", (D, E), ("embed", "router")),), self.param_dtype,
                         name="router")()
     experts = Experts(*(w.astype(self.dtype) for w in _Params((
         ("gate_proj", (E, D, F), ("experts", "embed", "mlp")),
@@ -350,7 +386,10 @@ class MoeMlp(nn.Module):
         name="experts")()))
     h = x.reshape(B * T, D).astype(self.dtype)
     routing = route(h, router.astype(self.dtype), self.k, self.norm_topk_prob)
-    if self.capacity_factor:
+    if experts.gate.shape[0] < E:  # Inside the step's shard_map, this device's experts
+      # only: the plan split them over the mesh's expert axis.
+      out = dropless_expert_parallel(h, routing, experts, EXPERT_AXIS, self.act, TILE)
+    elif self.capacity_factor:
       out, _ = with_capacity(h, routing, experts, self.capacity_factor, self.act)
     else:  # In tiles, not by `ragged_dot`: XLA lowers that as E copies of the rows.
       out = dropless_tiled(h, routing, experts, self.act, TILE)
@@ -364,6 +403,9 @@ class _Params(nn.Module):
 
   @nn.compact
   def __call__(self) -> tuple:
-    return tuple(self.param(name, nn.with_logical_partitioning(nn.initializers.normal(0.02),
+    # Given params are read as they are: inside the step's shard_map a device holds E / ep
+    # of the experts, a shape `self.param`'s check would refuse.
+    return tuple(self.get_variable("params", name) if self.has_variable("params", name) else
+                 self.param(name, nn.with_logical_partitioning(nn.initializers.normal(0.02),
                                                                axes), shape, self.param_dtype)
                  for name, shape, axes in self.specs)

@@ -19,6 +19,11 @@ Each internal, what it is used for, and what happens without it:
   Without them: `UnsupportedJax` naming that file.
 - `jax._src.lib.cuda_versions`: the CUDA plugin's cuDNN and runtime versions for a GPU
   target. Without it: the target config without them (XLA's defaults).
+- `jax.typeof(x).manual_axis_type.varying` (jax 0.10; `.vma` before): the mesh axes a
+  value varies over inside a `shard_map` that checks replication, for a custom vjp that
+  must sum a gradient over the others (`models.moe.tile_matmul`). Without either: no
+  axis, right inside the train step (which does not check) and an error from JAX in a
+  checking `shard_map`.
 - `orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop`: a failed save's sibling
   writes run to their end (`checkpoint.py`). Without it: orbax's own behaviour.
 
@@ -30,11 +35,21 @@ installed XLA which forms it knows).
 
 import sys
 
+import jax
+
 
 def backends_started() -> bool:
   """Whether JAX has started a backend in this process (its XLA flags are then fixed)."""
   bridge = sys.modules.get("jax._src.xla_bridge")
   return bool(bridge is not None and getattr(bridge, "_backends", None))
+
+
+def varying_axes(x) -> frozenset:
+  """The mesh axes `x` varies over inside a checking `jax.shard_map` (empty outside one,
+  and inside one that does not check)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(manual, "varying", None) or getattr(aval, "vma", None) or ())
 
 
 def distributed_client():
