@@ -136,7 +136,7 @@ def test_stage_3_on_8_devices_gives_the_replicated_tokens_with_the_cache_on_the_
   assert kv.window_keys is None and kv.held is None  # Llama: no local layers.
   for x in kv[:2]:
     assert x.shape == (2, 16, 64, 2, 16)
-    assert tuple(x.sharding.spec) == (None, ("data", "fsdp"), None, None, None)
+    assert tuple(x.sharding.spec) == (None, ("data", "expert", "fsdp"), None, None, None)
     assert len(x.sharding.device_set) == 8
     assert {s.data.nbytes for s in x.addressable_shards} == {x.nbytes // 8}
   assert generate.cache_bytes(CONFIG, 16, 64, 8) == sum(x.nbytes for x in kv[:2]) // 8

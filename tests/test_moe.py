@@ -28,7 +28,7 @@ from zerojax import build, hf, memory
 from zerojax.config import ConfigError, load_config
 from zerojax.memory import report
 from zerojax.models import from_config, llama, moe
-from zerojax.testing import hlo
+from zerojax.testing import hlo, run_logs
 
 from test_families import Checkpoint, _torch
 from test_train import train_here
@@ -278,6 +278,17 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   assert [r["mesh"]["expert"] for r in heads] == [4, 2] and heads[0]["stage"] == 3
   losses = [r["loss"] for r in records if "loss" in r]
   assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+  # What the routers did, each step: the load-balancing loss (1 when balanced, at least 1
+  # in expectation) and each expert's share of the assignments (summing to 1), in
+  # metrics.jsonl and TensorBoard ('moe/...').
+  steps = [r for r in records if "loss" in r]
+  shares = [[r[f"expert_load/{e:03d}"] for e in range(8)] for r in steps]
+  assert all(abs(sum(x) - 1) < 1e-5 and min(x) >= 0 for x in shares), shares
+  assert all(0.5 < r["router_aux_loss"] < 8 and r["router_z_loss"] > 0 for r in steps)
+  board = run_logs.tensorboard_scalars(str(tmp_path / "tb"))
+  assert [v for _, v in board["moe/aux_loss"]] == pytest.approx(
+      [r["router_aux_loss"] for r in steps], rel=1e-6)
+  assert len(board["moe/expert_load/007"]) == 8
 
 
 def test_the_planner_counts_the_active_parameters_as_flops_per_token_does():
@@ -300,20 +311,24 @@ def test_the_planner_counts_the_active_parameters_as_flops_per_token_does():
   assert header.startswith("  1.64M params (0.76M active a token: 2 of 8 experts);"), header
 
 
-# The tiny MoE in fp32 with AdamW: 1 layer of 8 experts, 32 positions, 16 sequences.
+# The tiny MoE in fp32 with AdamW, no clipping: 1 layer of 8 experts, 32 positions, 16
+# sequences.
 EP_RUN = ("precision.param_dtype=float32", "precision.compute_dtype=float32",
           "optimizer.name=adamw", "optimizer.update_rule=nearest", "optimizer.state_dtype=float32",
           "optimizer.warmup_steps=0", "optimizer.learning_rate=1e-3", "model.n_layers=1",
           "train.seq_len=32", "model.attention_block=32", "model.loss_chunk=32",
-          "train.global_batch_size=16", "zero.min_shard_size=64")
+          "train.global_batch_size=16", "zero.min_shard_size=64",
+          "optimizer.grad_clip=0.0")  # Release clips by other rules: none in every run.
 
 
-def _ep_run(ep, stage, steps=5):
+def _ep_run(ep, stage, *extra, steps=5):
   """(losses, final params as numpy) of `steps` AdamW steps of the tiny MoE on 8 devices
-  as mesh.expert=ep x mesh.fsdp=8/ep at `stage`, on fixed random tokens; the plan."""
+  as mesh.expert=ep x mesh.fsdp=8/ep at `stage` (and `extra` overrides), on fixed random
+  tokens; the plan."""
   config = load_config(os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
                        [f"--config.{o}" for o in (*EP_RUN, f"mesh.expert={ep}",
-                                                   f"zero.stage={stage}")], num_devices=8)
+                                                   f"zero.stage={stage}", *extra)],
+                       num_devices=8)
   built = build.build(config)
   state = zerojax.init_state(built.plan, built.model.init, built.tx, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (steps, 16, 33), 0, config.model.vocab_size)
@@ -330,14 +345,22 @@ def _ep_reference():
   return _ep_run(1, 0)
 
 
-@pytest.mark.parametrize("ep,stage", [(2, 3), (4, 2), (8, 0)])
-def test_expert_parallel_trains_as_the_experts_on_every_device(ep, stage):
+RELEASE = ("optimizer.release=True",)
+OFFLOAD = ("optimizer.offload=host", "zero.param_offload=host")
+
+
+@pytest.mark.parametrize("ep,stage,extra", [
+    (2, 3, ()), (4, 2, ()), (8, 0, ()), (2, 3, RELEASE), (4, 3, (*RELEASE, *OFFLOAD))],
+    ids=["ep2-stage3", "ep4-stage2", "ep8-stage0", "ep2-release", "ep4-release-offload"])
+def test_expert_parallel_trains_as_the_experts_on_every_device(ep, stage, extra):
   """mesh.expert=ep: each device holds 8 / ep experts of every layer (its shard of the
   experts' stacks [layers, experts, ...] is [1, 8 / ep, ...] at stage 0 too), and the
   tokens reach them by all-to-all; 5 AdamW steps give the losses and every param of the
   run with all experts on every device (mesh.expert=1 at stage 0, the same 8 devices and
-  batch split, so the router's per-device losses are the same): fp32, 1e-5."""
-  losses, params, plan = _ep_run(ep, stage)
+  batch split, so the router's per-device losses are the same): fp32, 1e-5. With
+  gradient release too, and with the optimizer state and the layers' params in host
+  memory."""
+  losses, params, plan = _ep_run(ep, stage, *extra)
   want_losses, want, _ = _ep_reference()
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   worst = max(jax.tree.leaves(jax.tree.map(_relative, params, want)))
@@ -350,14 +373,12 @@ def test_expert_parallel_trains_as_the_experts_on_every_device(ep, stage):
 
 
 def test_expert_parallelism_is_refused_where_it_is_not_built():
-  """mesh.expert needs experts it divides; the capacity mode and gradient release with
-  it are refused (exit 2 in train.py), each naming the key."""
+  """mesh.expert needs experts it divides; the capacity mode with it is refused (exit 2
+  in train.py), each naming the key."""
   moe_tiny = os.path.join(REPO, "configs", "qwen3_moe_tiny.py")
   cases = [("configs/tiny.py", ["mesh.expert=2"], "no experts"),
            (moe_tiny, ["mesh.expert=3", "mesh.fsdp=1", "mesh.data=1"], "does not divide"),
-           (moe_tiny, ["mesh.expert=2", "model.expert_capacity_factor=1.5"], "capacity factor"),
-           (moe_tiny, ["mesh.expert=2", "zero.stage=3", "optimizer.release=True",
-                       "optimizer.grad_clip=0.0"], "gradient release")]
+           (moe_tiny, ["mesh.expert=2", "model.expert_capacity_factor=1.5"], "capacity factor")]
   for path, overrides, match in cases:
     with pytest.raises(ConfigError, match=match):
       load_config(path, [f"--config.{o}" for o in overrides], num_devices=8)
@@ -394,3 +415,9 @@ def test_the_experts_gradients_are_reduced_in_fp32_over_the_axes_that_replicate_
                       for x in of_q), of_q
   exchanges = [x for x in found if x.op == "all-to-all"]
   assert exchanges and all(x.group_size == 4 and x.in_loop for x in exchanges), exchanges
+  # Their operand bytes are the planner's, to the byte (`moe.all_to_all_bytes`: rows out
+  # and back, the experts' ids, the backward's transposes, remat's recompute).
+  planned = memory.estimate(memory.RunSpec.from_config(config, 8))
+  assert sum(x.operand_bytes * x.trips for x in exchanges) == c.n_layers * planned.all_to_all
+  assert "expert parallel over expert=4: 2 of 8 experts a device" in report.format_table(
+      planned)

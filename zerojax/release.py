@@ -171,17 +171,19 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                         clipping=clipping, loss_scaling=loss_scaling)
   reduce_dtype, stack = jnp.dtype(reduce_dtype), parts.stack
   is_dim = lambda d: d is None
-  dims = plan.param_dims
+  dims, experts = plan.param_dims, plan.expert_dims
   # Devices of a shard group holding the same (unsharded) leaf: each counts 1/copies
-  # when the squares are summed over the ZeRO axes.
-  copies = jax.tree.map(lambda d: 1 if d is not None else plan.num_shards, dims,
-                        is_leaf=is_dim)
+  # when the squares are summed over the ZeRO axes (an experts' kernel is the same on
+  # its own ZeRO axes' devices only: each 'expert' device holds other experts).
+  copies = jax.tree.map(lambda d, e: 1 if d is not None else plan.shards_of(e), dims,
+                        experts, is_leaf=is_dim)
   rest_copies = {k: v for k, v in copies.items() if k != stack}
   # Stochastic rounding's bits (`update_rules`, `stream`): each layer's and each shard's
   # own; a leaf every device of the shard group holds whole rounds alike on all of them.
   streams = lambda i: jax.tree.map(
-      lambda d: i * plan.num_shards + (0 if d is None else jax.lax.axis_index(plan.shard_axes)),
-      dims, is_leaf=is_dim)
+      lambda d, e: i * plan.num_shards + (
+          0 if d is None else jax.lax.axis_index(plan.axes_of(e))),
+      dims, experts, is_leaf=is_dim)
   mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
   agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
@@ -204,13 +206,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     in it; the forward pass gathers the stored shards as they are (an fp32 cast of the
     scanned stack would be hoisted out of the loop: a whole fp32 copy)."""
     return jax.tree.map(
-        lambda d, p, like: p.astype(like.dtype) if d is None else stage3.gather_leaf(
-            p, d - 1, plan.shard_axes, like.dtype),
-        dims[stack], layer, plan.params[stack], is_leaf=is_dim)
+        lambda d, p, like, e: p.astype(like.dtype) if d is None else stage3.gather_leaf(
+            p, d - 1, plan.axes_of(e), like.dtype),
+        dims[stack], layer, plan.params[stack], experts[stack], is_leaf=is_dim)
 
-  def reduced(grads, dims):
-    return jax.tree.map(lambda d, g: step_lib.sum_unreduced(plan, g.astype(reduce_dtype), d),
-                        dims, grads, is_leaf=is_dim)
+  def reduced(grads, dims, experts):
+    return jax.tree.map(
+        lambda d, e, g: step_lib.sum_unreduced(plan, g.astype(reduce_dtype), d, e),
+        dims, experts, grads, is_leaf=is_dim)
 
   def microbatch(params, opt_state, batch, sums, *, decay, last):
     """Forward and released backward of one microbatch. Not `last`: the moments absorb
@@ -222,6 +225,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         plan, {**rest, stack: params[stack]}).items() if k != stack}
     rest32 = cast({k: v for k, v in params.items() if k != stack})
     rest_dims = {k: v for k, v in dims.items() if k != stack}
+    rest_experts = {k: v for k, v in experts.items() if k != stack}
 
     x, embed_vjp = jax.vjp(lambda r: parts.embed(view(r), batch), rest32)
     # The stack is scanned as it is stored. Scanning its bits instead (`stage3.to_bits`)
@@ -269,7 +273,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
       g, ct = vjp(ct)
-      g = reduced(g, dims[stack])
+      g = reduced(g, dims[stack], experts[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
       new_p, new_s, update_squares = (arrived if ahead_s else apply)(
@@ -291,7 +295,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     p, s = views.from_rows(p), views.state_from_rows(s)
 
     (d_embed,) = embed_vjp(ct)
-    d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims)
+    d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims, rest_experts)
     finite = agree(precision.all_finite(d_rest))
     squares = updates.sum_squares(d_rest, rest_copies, mean_scale)
     grad_sq = total(grad_sq + squares)

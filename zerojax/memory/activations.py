@@ -8,7 +8,7 @@ for everything but attention (`RunSpec.positions`); attention runs on the whole 
 """
 
 from zerojax.memory.spec import DTYPE_BYTES, Counts, RunSpec
-from zerojax.models import remat as remat_policies
+from zerojax.models import moe, remat as remat_policies
 from zerojax.models.attention import attention_kernel
 from zerojax.runtime import platform
 from zerojax.sequence import ulysses
@@ -110,10 +110,14 @@ def kv_width(s: RunSpec) -> int:
 
 
 def all_to_all_bytes(s: RunSpec, remat: str) -> int:
-  """Bytes one device puts into Ulysses' all-to-alls per layer and step (all its
-  microbatches; `sequence.ulysses.all_to_all_bytes`); 0 without sequence parallelism."""
-  if not s.sequence_parallel:
-    return 0
-  return ulysses.all_to_all_bytes(s.batch * s.microbatches, s.seq_len, s.fsdp, s.n_heads,
-                                  s.n_kv_heads, s.head_dim,
-                                  DTYPE_BYTES[s.compute_dtype], remat)
+  """Bytes one device puts into all-to-alls per layer and step (all its microbatches):
+  Ulysses' (`sequence.ulysses.all_to_all_bytes`) and the experts'
+  (`models.moe.all_to_all_bytes`); 0 without sequence or expert parallelism."""
+  total, cb = 0, DTYPE_BYTES[s.compute_dtype]
+  if s.sequence_parallel:
+    total += ulysses.all_to_all_bytes(s.batch * s.microbatches, s.seq_len, s.fsdp, s.n_heads,
+                                      s.n_kv_heads, s.head_dim, cb, remat)
+  if s.n_experts and s.expert > 1:
+    total += s.microbatches * moe.all_to_all_bytes(
+        s.batch * s.positions, s.experts_per_token, s.d_model, s.expert, cb, remat)
+  return total

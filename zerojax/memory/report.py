@@ -147,15 +147,21 @@ def _positions(s: RunSpec) -> str:
 
 
 def format_sequence(e: Estimate) -> str:
-  """Sequence parallelism's line: the split and the all-to-all bytes ("" without it)."""
+  """Sequence or expert parallelism's line: the split and the all-to-all bytes ("" without
+  either; MoE refuses sequence parallelism, so one of them)."""
   s = e.setup
-  if not s.sequence_parallel:
+  if s.sequence_parallel:
+    split = (f"sequence parallel over fsdp={s.fsdp}: {s.positions} positions a device, "
+             f"attention on all {s.seq_len} for {s.n_heads // s.fsdp} of {s.n_heads} heads")
+    source = "zerojax.sequence.ulysses.all_to_all_bytes"
+  elif s.n_experts and s.expert > 1:
+    split = (f"expert parallel over expert={s.expert}: {s.n_experts // s.expert} of "
+             f"{s.n_experts} experts a device, the dropless worst case's buffers")
+    source = "zerojax.models.moe.all_to_all_bytes"
+  else:
     return ""
-  return (f"sequence parallel over fsdp={s.fsdp}: {s.positions} positions a device, attention "
-          f"on all {s.seq_len} for {s.n_heads // s.fsdp} of {s.n_heads} heads; all-to-all "
-          f"{fmt_bytes(e.all_to_all)} a device per layer and step "
-          f"({fmt_bytes(e.all_to_all * s.n_layers)} for all layers; "
-          "zerojax.sequence.ulysses.all_to_all_bytes)")
+  return (f"{split}; all-to-all {fmt_bytes(e.all_to_all)} a device per layer and step "
+          f"({fmt_bytes(e.all_to_all * s.n_layers)} for all layers; {source})")
 
 
 def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | None = None,
@@ -169,7 +175,9 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   active = (f" ({_count(active_params(s))} active a token: {s.experts_per_token} of "
             f"{s.n_experts} experts)") if s.n_experts else ""
   lines = [
-      f"memory plan {title} on {s.devices} devices (data={s.data} fsdp={s.fsdp}), "
+      f"memory plan {title} on {s.devices} devices (data={s.data}"
+      + (f" expert={s.expert} fsdp={s.fsdp // s.expert}" if s.expert > 1 else f" fsdp={s.fsdp}")
+      + "), "
       f"ZeRO stage {s.stage}".replace("  ", " "),
       f"  {_count(e.params)} params{active}; per device {s.batch} x {_positions(s)} tokens x "
       f"{s.microbatches} microbatch(es); remat {s.remat}; {s.optimizer}, {s.state_dtype} state, "
@@ -218,7 +226,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
   if compiled and not gpu and _cpu_without_memory_flags():
     lines.append("(compiled by XLA:CPU without its memory flags, which the estimate assumes: "
                  "train.py --fake_devices N or python -m zerojax.memory --compile set them)")
-  if s.sequence_parallel:
+  if format_sequence(e):
     lines.append(format_sequence(e))
   if e.host:
     node = min(s.devices, DEVICES_PER_NODE)

@@ -31,8 +31,8 @@ class Estimate:
     device_memory: bytes per device to fit in (0: not given).
     host: name -> per-device bytes kept in host memory (params, optimizer state, saved
       activations: offload).
-    all_to_all: bytes one device puts into sequence parallelism's all-to-alls per layer
-      and step (0 without it).
+    all_to_all: bytes one device puts into sequence or expert parallelism's all-to-alls
+      per layer and step (0 without either).
     host_memory: bytes of host memory per node to fit in (0: not given).
   """
   setup: RunSpec

@@ -287,6 +287,20 @@ def router_loss(config: LlamaConfig, out: Any, tokens: int) -> jax.Array:
   return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
 
 
+def router_metrics(config: LlamaConfig, out: Any, tokens: int) -> dict[str, jax.Array]:
+  """What the routers did, from the layer loop's output carry, as float32 scalars: the
+  load-balancing loss and the z-loss (before their coefficients) and each expert's share
+  of the token-expert assignments over all layers, 'expert_load/007' (1 / E when
+  balanced). {} without experts."""
+  if not config.n_experts:
+    return {}
+  summed = _unstack(config, out)[2]
+  aux, z = moe.losses_from_stats(summed, tokens, config.n_layers)
+  share = summed[:config.n_experts] / (tokens * config.n_layers * config.experts_per_token)
+  return {"router_aux_loss": aux, "router_z_loss": z,
+          **{f"expert_load/{e:03d}": share[e] for e in range(config.n_experts)}}
+
+
 def apply_block(config: LlamaConfig, params: Params, x: Any, cos: jax.Array,
                 sin: jax.Array, segment_ids: jax.Array | None = None,
                 cache: tuple | None = None) -> Any:
@@ -487,15 +501,17 @@ def loss(config: LlamaConfig, params: Params, batch: dict[str, jax.Array],
     rng: unused (no dropout); `zerojax.make_train_step` passes one.
 
   Returns:
-    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T),
-    plus, with experts, the router losses (`router_loss`).
+    The float32 scalar sum over B x T positions of nll x loss_mask (default 1) / (B x T);
+    with experts, plus the router losses (`router_loss`), and with what the routers did
+    (`router_metrics`): (loss, metrics), which the train step reports.
   """
   del rng
   inputs, targets = sequence.inputs_and_targets(batch)  # Either form: see its docstring.
   out = Llama(config).apply({"params": params}, inputs, batch.get("positions"),
                             batch.get("segment_ids"), method=Llama.layer_loop)
-  return head_loss(config, params, stack_output(config, out), targets,
-                   batch.get("loss_mask")) + router_loss(config, out, inputs.size)
+  total = head_loss(config, params, stack_output(config, out), targets,
+                    batch.get("loss_mask")) + router_loss(config, out, inputs.size)
+  return (total, router_metrics(config, out, inputs.size)) if config.n_experts else total
 
 
 def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Array,

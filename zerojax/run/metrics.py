@@ -243,7 +243,7 @@ class Reporter:
         os.write(fd, (json.dumps(record) + "\n").encode())
       finally:
         os.close(fd)
-    values = {SCALARS[k]: float(v) for k, v in record.items() if k in SCALARS}
+    values = {scalar_name(k): float(v) for k, v in record.items() if scalar_name(k)}
     if "step" in record and values:
       for writer in self.writers:
         writer.scalars(record["step"], values)
@@ -296,6 +296,16 @@ def _fields(values: dict[str, float]) -> list[tuple[str, str]]:
              ("mfu", lambda v: f"mfu {100 * v:.1f}%"),
              ("eta_s", lambda v: f"eta {fmt_duration(v)}")]
   return [(k, f(values[k])) for k, f in formats if k in values]
+
+
+def scalar_name(key: str) -> str | None:
+  """A metric's name in TensorBoard and W&B: `SCALARS`'s, 'moe/...' for the routers'
+  (`models.llama.router_metrics`), None for what is only in metrics.jsonl."""
+  if key in SCALARS:
+    return SCALARS[key]
+  if key.startswith(("router_", "expert_load/")):
+    return "moe/" + key.removeprefix("router_")
+  return None
 
 
 def progress_line(step: int, total: int, metrics: dict[str, float],
