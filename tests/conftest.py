@@ -2,7 +2,10 @@
 code generation for the tests' own compiles; JAX's compilation cache for this process and
 for every process the tests start."""
 
+import json
 import os
+import resource
+import time
 
 import jax
 import pytest
@@ -92,3 +95,22 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: within a file too.
+
+
+# ZEROJAX_TEST_CPU=FILE: each test's CPU seconds (this process's and its finished
+# children's: train.py, launch, the CLIs), setup and teardown included, appended to FILE
+# as JSON lines. The suite is CPU-bound on 2 cores (benchmarks/README.md 'Test suite
+# time'): this, not the wall time each test shares with the others, says what it costs.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  path = os.environ.get("ZEROJAX_TEST_CPU")
+  if not path:
+    yield
+    return
+  cpu = lambda: sum(getattr(resource.getrusage(who), field) for who in (  # noqa: E731
+      resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
+  start, wall = cpu(), time.perf_counter()
+  yield
+  with open(path, "a") as f:
+    f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu() - start, 2),
+                        "wall_s": round(time.perf_counter() - wall, 2)}) + "\n")
