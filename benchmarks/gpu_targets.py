@@ -46,6 +46,9 @@ ROWS = [
     ("configs/8b_bf16.py", "8b_bf16", (), "h100:8"),
     ("configs/1b_bf16.py", "1b_bf16", (), "h200:1"),
     ("configs/125m_quality.py", "125m_quality", (), "h200:1"),
+    # The mixtures of experts, their experts split over the 8 devices (mesh.expert=8).
+    ("moe: configs/qwen3_30b_a3b_8x80gb.py", "qwen3_30b_a3b_8x80gb", (), "h100:8"),
+    ("moe: configs/qwen3_235b_a22b_8xh200.py", "qwen3_235b_a22b_8xh200", (), "h200:8"),
 ]
 
 

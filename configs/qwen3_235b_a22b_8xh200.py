@@ -12,13 +12,15 @@ parameters of which 22B a token (94 layers of 128 experts of width 1536, 8 a tok
 renormalized), Qwen3's attention (64 query heads of 128, 4 KV heads, q/k norms), untied
 head, the load-balancing loss at 0.001. The experts are split over the 8 devices by
 expert (`mesh.expert=8`: 16 a device, tokens to them by all-to-all); everything else is
-ZeRO-sharded over all 8. The bf16 params stay on the devices (59 GB a device); Lion's
-moment and the Kahan buffer (4 bytes a parameter, 940 GB a node) live in host memory
+ZeRO-sharded over all 8. The bf16 params stay on the devices (54.74 GiB a device); Lion's
+moment and the Kahan buffer (4 bytes a parameter, 875.79 GiB a node) live in host memory
 and come to the device a layer at a time inside release's backward loop.
 
-Memory (XLA's GPU compiler, `python -m zerojax.memory --config
-configs/qwen3_235b_a22b_8xh200.py --target h200:8 --compile`): see benchmarks/README.md.
-Not run on GPUs yet.
+Compiled by XLA's GPU compiler for 8 x H200 (`python -m zerojax.memory --config
+configs/qwen3_235b_a22b_8xh200.py --target h200:8 --compile`, no GPU needed): 98.33 GiB
+a device of the 132.43 XLA's allocator has, plus 109.47 GiB of optimizer state a device
+in host memory (875.79 GiB a node); the planner's estimate 102.25 GiB (1.040). Not run
+on GPUs yet.
 """
 
 import ml_collections
@@ -28,7 +30,7 @@ from zerojax.config import beside
 
 def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "qwen3_30b_a3b_8x80gb.py")  # Qwen3-235B-A22B's config.json follows.
-  c.optimizer.offload = "host"  # Lion's moment and the Kahan buffer: 940 GB a node.
+  c.optimizer.offload = "host"  # Lion's moment and the Kahan buffer: 875.79 GiB a node.
   c.model.d_model = 4096
   c.model.d_ff = 12288  # Unused: every layer's MLP is the experts (HF intermediate_size).
   c.model.n_layers = 94

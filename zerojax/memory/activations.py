@@ -53,6 +53,8 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
     # positions (docs/design/gpu-targets.md), its (T / S) n D term over-counts long sequences.
     attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
     mlp = rows * F * (5 * cb + 4) + 5 * n * D * 4
+  if s.n_experts and s.expert > 1:
+    mlp = max(mlp, expert_dispatch_bytes(s, rows))
   if s.model == "mlp_lm":
     attention = 0
   # Any remat but 'none' runs `stage3.scan_layers` (a layer recomputed from what it saved).
@@ -100,6 +102,19 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
   scores = b * heads * S * T * (2 * 4 + cb)
   whole = b * T * (q * (3 * cb + 4) + kv * (2 * cb + 2 * 4))
   return scores + whole + n * D * (3 * 4 + cb) + rows * F * cb, mlp
+
+
+def expert_dispatch_bytes(s: RunSpec, tokens: int) -> int:
+  """The expert-parallel block's backward at its peak (`moe.dropless_expert_parallel`),
+  for `tokens` tokens a device: the rows it may receive, ep x tokens x k (the dropless
+  worst case its static buffers hold) plus the tiles' padding (E / ep x `moe.TILE`), each
+  in (24 + 4 cb) bytes a model-width value (the exchange buffers, the tiles and their
+  fp32 cotangents) and (8 + cb) an expert-width one (the gate's and up projection's fp32
+  outputs, their product). Read off XLA's GPU compiler's buffers at the peak for
+  Qwen3-30B-A3B on h100:8 (docs/design/moe.md)."""
+  ep, cb = s.expert, DTYPE_BYTES[s.compute_dtype]
+  rows = ep * tokens * s.experts_per_token + s.n_experts // ep * moe.TILE
+  return rows * (s.d_model * (24 + 4 * cb) + s.expert_d_ff * (8 + cb))
 
 
 def kv_width(s: RunSpec) -> int:
