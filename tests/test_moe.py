@@ -8,7 +8,8 @@ transformers' own Qwen3-MoE and Mixtral code on the same weights. The decoder: t
 Qwen3-MoE and Mixtral checkpoints written by transformers in the test (random norm
 weights; the `hf-check` extra) import with fp32 logits within 1e-4 of transformers',
 the load-balancing loss is transformers' `aux_loss`, export loads back as the same class
-with the same logits; `train.py` trains the tiny MoE config on 8 devices at stage 3.
+with the same logits; `train.py` fine-tunes the tiny MoE config on chat data on 8
+devices at stage 3 and its checkpoint answers a prompt.
 Expert parallelism (`mesh.expert`): the same params and losses as the experts on every
 device, gradients reduced in fp32 over the axes that replicate each leaf (from the HLO),
 a checkpoint restored onto another expert split.
@@ -26,12 +27,14 @@ import pytest
 import zerojax
 from zerojax import build, hf, memory
 from zerojax.config import ConfigError, load_config
+from zerojax.data import sft_demo
+from zerojax.generate import cli as generate_cli
 from zerojax.memory import report
 from zerojax.models import from_config, llama, moe
 from zerojax.testing import hlo, run_logs
 
 from test_families import Checkpoint, _torch
-from test_train import train_here
+from test_train import run_main, train_here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -256,17 +259,21 @@ def test_export_loads_as_the_same_class_with_the_same_logits(ckpt, tmp_path):
 
 def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   """`train.py --config configs/qwen3_moe_tiny.py` (8 experts, 2 a token; the
-  load-balancing loss at 0.01 in the loss) at stage 3, at one layer and 64 positions
-  (the experts are the point, not the depth), with expert parallelism: 4 steps on
-  mesh.expert=4 x mesh.fsdp=2, stopped (a checkpoint), resumed on mesh.expert=2 x
-  mesh.fsdp=4 (the checkpoint restores onto the other split) for 4 more; the loss
-  falls over the 8 steps."""
+  load-balancing loss at 0.01 in the loss) fine-tuning on chat data (`sft_demo`: packed
+  rows, the prompt masked out) at stage 3, at one layer and 64 positions (the experts are
+  the point, not the depth), with expert parallelism: 4 steps on mesh.expert=4 x
+  mesh.fsdp=2, stopped (a checkpoint), resumed on mesh.expert=2 x mesh.fsdp=4 (the
+  checkpoint restores onto the other split) for 4 more; the loss falls over the 8 steps,
+  and the checkpoint answers a prompt (`zerojax.generate`'s KV-cached decoding)."""
+  data = sft_demo.write(str(tmp_path / "sft"), train=300, held_out=20)
   common = ("--config", os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
             "--config.model.n_layers=1", "--config.train.seq_len=64",
             "--config.model.attention_block=64", "--config.model.loss_chunk=64",
             "--config.train.steps=8", "--config.train.log_every=1",
             "--config.optimizer.warmup_steps=2", "--config.train.eval_every=0",
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
+            "--config.data.name=sft", f"--config.data.path={data['train']}",
+            f"--config.data.tokenizer={data['tokenizer']}", "--config.model.vocab_size=264",
             f"--config.workdir={tmp_path}")
   first = train_here(*common, "--config.mesh.expert=4", "--config.mesh.fsdp=2", "--stop_after=4")
   assert first.returncode == 75, first.stderr[-3000:]
@@ -289,6 +296,9 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   assert [v for _, v in board["moe/aux_loss"]] == pytest.approx(
       [r["router_aux_loss"] for r in steps], rel=1e-6)
   assert len(board["moe/expert_load/007"]) == 8
+  said = run_main(generate_cli.main, f"--workdir={tmp_path}", "--prompt=12+30=", "--max_new=4")
+  assert said.returncode == 0, said.stderr[-2000:]
+  assert said.stdout.startswith(f"restored {tmp_path}/checkpoints/8\n"), said.stdout
 
 
 def test_the_planner_counts_the_active_parameters_as_flops_per_token_does():
