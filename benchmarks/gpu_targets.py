@@ -49,6 +49,7 @@ ROWS = [
     # The mixtures of experts, their experts split over the 8 devices (mesh.expert=8).
     ("moe: configs/qwen3_30b_a3b_8x80gb.py", "qwen3_30b_a3b_8x80gb", (), "h100:8"),
     ("moe: configs/qwen3_235b_a22b_8xh200.py", "qwen3_235b_a22b_8xh200", (), "h200:8"),
+    ("moe: configs/mixtral_8x7b_8x80gb.py", "mixtral_8x7b_8x80gb", (), "h100:8"),
 ]
 
 

@@ -175,13 +175,15 @@ def test_every_test_the_claims_table_names_exists():
 def test_the_moe_recipes_fit_by_the_gpu_compiler_and_the_planner_within_5_percent():
   """The mixtures of experts' recipes (`benchmarks/gpu_targets.py --rows moe:`, recorded):
   Qwen3-30B-A3B on 8 x H100 at most 70 GiB a device, Qwen3-235B-A22B on 8 x H200 fits
-  with its optimizer state in host memory (at most 2 TiB a node), each as XLA's GPU
+  with its optimizer state in host memory (at most 2 TiB a node), Mixtral 8x7B on 8 x
+  H100 fits, each as XLA's GPU
   compiler laid it out; the planner, rerun here, within 5% of it (the experts' dispatch
   buffers: `memory.activations.expert_dispatch_bytes`)."""
   rows = {label: r for label, r in recorded().items() if label.startswith("moe: ")}
   a3b = rows["moe: configs/qwen3_30b_a3b_8x80gb.py"]
   a22b = rows["moe: configs/qwen3_235b_a22b_8xh200.py"]
-  for r in (a3b, a22b):
+  mixtral = rows["moe: configs/mixtral_8x7b_8x80gb.py"]
+  for r in (a3b, a22b, mixtral):
     e, budget = planned(os.path.basename(r["config"])[:-3], r["overrides"], r["target"])
     assert (e.total, e.host_total, budget) == (r["planner"], r["planner_host"], r["budget"])
     assert r["fits"] and abs(r["planner"] / r["gpu"] - 1) < 0.05, r["label"]
@@ -189,3 +191,4 @@ def test_the_moe_recipes_fit_by_the_gpu_compiler_and_the_planner_within_5_percen
   assert stated(a22b["gpu"], "98.33 GiB") == "98.33 GiB"
   assert stated(a22b["gpu_host"] * 8, "875.79 GiB") == "875.79 GiB"  # A node's.
   assert a22b["gpu_host"] * 8 <= 2 * 2**40
+  assert stated(mixtral["gpu"], "53.03 GiB") == "53.03 GiB"
