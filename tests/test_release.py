@@ -104,6 +104,11 @@ def test_release_step_equals_the_normal_step(model_name, name, rule, mesh_shape,
                                               relative(got, want))
   for key in ("loss", "grad_norm", "update_norm"):
     assert m_release[key] == pytest.approx(m_normal[key], rel=1e-5), key
+  # The routers' metrics (experts only): the same under release.
+  routers = [k for k in m_normal if k.startswith(("router_", "expert_load/"))]
+  assert bool(routers) == (model_name == "llama_moe"), routers
+  for key in routers:
+    assert m_release[key] == pytest.approx(m_normal[key], rel=1e-5, abs=1e-7), key
   assert m_release["skipped_layers"] == 0 and m_release["skipped"] == 0
   assert int(release.step) == 5
 

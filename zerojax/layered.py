@@ -32,9 +32,13 @@ class LayeredLoss(NamedTuple):
       leaf below it has a leading layers axis; no other leaf has one).
     offload: keep the layer inputs the backward pass needs in pinned host memory
       between the passes (activation offload, `zerojax.streaming`).
+    metrics: optional `(carry, batch) -> {name: scalar}`, what the model reports of the
+      last layer's output besides the loss (a mixture of experts' routers), means over
+      the examples as the loss is; the step reports their means over the devices.
   """
   embed: Callable[[PyTree, PyTree], PyTree]
   layer: Callable[[PyTree, PyTree], PyTree]
   head_loss: Callable[[PyTree, PyTree, PyTree], jax.Array]
   stack: str
   offload: bool = False
+  metrics: Callable[[PyTree, PyTree], dict] | None = None

@@ -252,6 +252,10 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         x, lambda i: params_at(rows, i)[stack], depth, ahead_p)
     # On XLA:CPU the head's gathers wait for the forward loop, and the backward loop for
     # their reduce-scatters (`stage3.after`: no collective beside a loop's).
+    # What the model reports of the last layer's output (the routers' statistics): the
+    # mean over the devices, as the loss.
+    reported = jax.tree.map(lambda v: jax.lax.pmean(v.astype(jnp.float32), plan.data_axes),
+                            parts.metrics(x, batch) if parts.metrics else {})
     loss, head_vjp = jax.vjp(
         lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32),
         stage3.after(rest32, x), x)
@@ -313,7 +317,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     update_sq = total(update_sq + jnp.where(finite, update_squares, 0.0))
     step_sums = (jax.lax.pmean(loss, plan.data_axes), grad_sq, skipped.astype(jnp.float32),
                  (~finite).astype(jnp.float32), update_sq)
-    return p, s, tuple(a + b for a, b in zip(sums, step_sums, strict=True))
+    return p, s, tuple(a + b for a, b in zip(sums, step_sums, strict=True)), reported
 
   def local(params, opt_state, batch):
     split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
@@ -325,11 +329,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       def one(carry, xs):
         p, s, sums = carry
         mb, k = xs
-        return microbatch(p, s, mb, sums, decay=k == 0, last=k == microbatches - 1), None
-      (params, opt_state, sums), _ = jax.lax.scan(
+        p, s, sums, reported = microbatch(p, s, mb, sums, decay=k == 0,
+                                          last=k == microbatches - 1)
+        return (p, s, sums), reported
+      (params, opt_state, sums), reported = jax.lax.scan(
           one, (params, opt_state, sums), (micro, jnp.arange(microbatches)))
+      reported = jax.tree.map(lambda v: jnp.mean(v, axis=0), reported)
     else:
-      params, opt_state, sums = microbatch(
+      params, opt_state, sums, reported = microbatch(
           params, opt_state, jax.tree.map(lambda x: x[0], micro), sums, decay=True, last=True)
     loss, grad_sq, skipped_layers, skipped, update_sq = sums
     metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
@@ -337,7 +344,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                    # Any skipped part makes the step count as skipped (train.py's
                    # max_consecutive_skips reads it); skipped_layers says how much.
                    skipped=jnp.minimum(skipped + skipped_layers, 1.0),
-                   skipped_layers=skipped_layers)
+                   skipped_layers=skipped_layers, **reported)
     return params, opt_state, metrics
 
   shardings = step_lib.state_shardings(plan)

@@ -641,6 +641,7 @@ class LlamaLM:
     rotary tables from them: inputs of the batch, so nothing differentiates them and no
     layer input saves them."""
     c = self.config
+    tokens = lambda x: math.prod(stack_output(c, x).shape[:2])  # noqa: E731
 
     def layer(p, x, batch):
       positions = batch.get("positions", stack_output(c, x).shape[1])
@@ -652,9 +653,9 @@ class LlamaLM:
         layer=layer,
         head_loss=lambda rest, x, batch: head_loss(
             c, rest, stack_output(c, x), sequence.inputs_and_targets(batch)[1],
-            batch.get("loss_mask")) + router_loss(c, x, math.prod(
-                stack_output(c, x).shape[:2])),
-        stack="layers", offload=c.activation_offload == "host")
+            batch.get("loss_mask")) + router_loss(c, x, tokens(x)),
+        stack="layers", offload=c.activation_offload == "host",
+        metrics=(lambda x, batch: router_metrics(c, x, tokens(x))) if c.n_experts else None)
 
   def flops_per_token(self, seq_len: int) -> float:
     return flops_per_token(self.config, seq_len)
