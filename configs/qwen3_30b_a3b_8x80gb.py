@@ -15,9 +15,9 @@ all-to-all); everything else is ZeRO-sharded over all 8.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`python -m zerojax.memory --config
 configs/qwen3_30b_a3b_8x80gb.py --target h100:8 --compile`, no GPU needed): 21.33 GiB of
-state + 20.46 GiB of temporaries (18.46 of them the expert-parallel dispatch's buffers at
-the dropless worst case) = 41.78 GiB a device of the 74.72 XLA's allocator has; the
-planner's estimate 42.92 GiB (1.027). Not run on GPUs yet.
+state + 20.15 GiB of temporaries (18.01 of them the expert-parallel dispatch's buffers at
+the dropless worst case) = 41.48 GiB a device of the 74.72 XLA's allocator has; the
+planner's estimate 42.92 GiB (1.035). Not run on GPUs yet.
 """
 
 import ml_collections

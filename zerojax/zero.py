@@ -121,6 +121,15 @@ class StageBehaviour:
                shards_opt_state=stage >= 1, grad_reduction=reduction)
 
 
+def leaf_axes(mesh: Mesh, shard_axes: tuple[str, ...],
+              expert_dim: int | None) -> tuple[str, ...]:
+  """The ZeRO axes of a leaf: `shard_axes`, less 'expert' for an experts' kernel (one
+  with an `expert_dim`), and less the axes of size 1 (unless none is larger: a spec then
+  names no axis anyway)."""
+  axes = tuple(a for a in shard_axes if expert_dim is None or a != EXPERT_AXIS)
+  return tuple(a for a in axes if mesh.shape[a] > 1) or axes
+
+
 def _spec(ndim: int, dim: int | None, axes: tuple[str, ...], expert_dim: int | None) -> P:
   if dim is None and expert_dim is None:
     return P()
@@ -183,10 +192,8 @@ class ZeroPlan:
     return math.prod(self.mesh.shape[a] for a in self.shard_axes)
 
   def axes_of(self, expert_dim: int | None) -> tuple[str, ...]:
-    """The ZeRO axes of a leaf: `shard_axes`, less 'expert' for an experts' kernel, and
-    less the axes of size 1 (unless none is larger: a spec then names no axis anyway)."""
-    axes = tuple(a for a in self.shard_axes if expert_dim is None or a != EXPERT_AXIS)
-    return tuple(a for a in axes if self.mesh.shape[a] > 1) or axes
+    """The ZeRO axes of a leaf (`leaf_axes`)."""
+    return leaf_axes(self.mesh, self.shard_axes, expert_dim)
 
   def shards_of(self, expert_dim: int | None) -> int:
     """How many ZeRO shards a leaf has (`axes_of`'s devices)."""
@@ -410,10 +417,9 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     return d
 
   expert_dims = jax.tree.map(expert_dim, params, names, is_leaf=is_names)
-  dims_of = lambda e: tuple(a for a in shard_axes if e is None or a != EXPERT_AXIS)
 
   def leaf_dim(x, n, e):
-    shards = math.prod(mesh.shape[a] for a in dims_of(e))
+    shards = math.prod(mesh.shape[a] for a in leaf_axes(mesh, shard_axes, e))
     return shard_dim(tuple(x.shape), n, shards, min_shard_size)
 
   param_dims = jax.tree.map(leaf_dim, params, names, expert_dims, is_leaf=is_names)

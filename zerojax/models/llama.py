@@ -283,8 +283,9 @@ def router_loss(config: LlamaConfig, out: Any, tokens: int) -> jax.Array:
   `router_z_loss_coef` over `tokens` tokens a layer (float32; 0 without experts)."""
   if not config.n_experts:
     return jnp.float32(0)
-  aux, z = moe.losses_from_stats(_unstack(config, out)[2], tokens, config.n_layers)
-  return config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
+  m = router_metrics(config, out, tokens)
+  return (config.router_aux_loss_coef * m["router_aux_loss"]
+          + config.router_z_loss_coef * m["router_z_loss"])
 
 
 def router_metrics(config: LlamaConfig, out: Any, tokens: int) -> dict[str, jax.Array]:

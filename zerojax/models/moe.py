@@ -135,35 +135,30 @@ def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
 
 def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
                   act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
-  """Each row through its expert's MLP: rows [M, D], ids int32[M] (E: an empty row,
-  through none) -> float32[M, D] (an empty row: 0).
+  """Each row through its expert's MLP: rows [M, D] sorted by expert, ids int32[M] their
+  experts in order (E: an empty row, through none; those last) -> float32[M, D] (an
+  empty row: 0).
 
-  The rows are sorted by expert (stable), each expert's run padded to whole tiles of
-  `tile` rows (at most M + E x tile rows, a static bound), and each tile is one dense
-  matmul with its expert's kernel (`tile_matmul`); the tiles run one after another
-  (`lax.map`): a kernel per tile.
+  Each expert's run is padded to whole tiles of `tile` rows (at most M + E x tile rows, a
+  static bound), and each tile is one dense matmul with its expert's kernel
+  (`tile_matmul`); the tiles run one after another (`lax.map`): a kernel per tile.
   """
-  n_experts, d = experts.gate.shape[0], rows.shape[-1]
-  m = rows.shape[0]
-  order = jnp.argsort(ids, stable=True)  # Empty rows last.
-  chosen = ids[order]
+  n_experts, (m, d) = experts.gate.shape[0], rows.shape
   sizes = jnp.bincount(ids, length=n_experts + 1)[:n_experts]
   padded = -(-sizes // tile) * tile  # Each expert's rows, up to whole tiles.
   ends = jnp.cumsum(padded)
-  starts = jnp.cumsum(sizes) - sizes
-  used = chosen < n_experts
-  expert = jnp.minimum(chosen, n_experts - 1)
+  expert = jnp.minimum(ids, n_experts - 1)
   tiles = -(-m // tile) + n_experts  # A static bound on the tiles used.
-  # Each sorted row's place; an empty row goes to a spare tile at the end, sliced off.
-  row = jnp.where(used, (ends - padded)[expert] + jnp.arange(m) - starts[expert], tiles * tile)
-  xs = jnp.zeros((tiles * tile + 1, d), rows.dtype).at[row].set(rows[order])[:-1]
+  # Each row's place; an empty row goes to a spare row at the end, sliced off.
+  rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[expert]
+  row = jnp.where(ids < n_experts, (ends - padded)[expert] + rank, tiles * tile)
+  xs = jnp.zeros((tiles * tile + 1, d), rows.dtype).at[row].set(rows)[:-1]
   # Tile t's expert; tiles past the last expert's are zeros and take the last kernel.
   owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"),
                       n_experts - 1).astype(jnp.int32)
   mm = lambda a, w: tile_matmul(a, w, owner)  # noqa: E731
   h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(rows.dtype)
-  y = jnp.pad(mm(h, experts.down), ((0, 1), (0, 0)))[row]  # Sorted; empty rows: 0.
-  return jnp.zeros((m, d), jnp.float32).at[order].set(y)
+  return jnp.pad(mm(h, experts.down), ((0, 1), (0, 0)))[row]  # Empty rows: the zero row.
 
 
 @jax.custom_vjp
@@ -246,7 +241,9 @@ def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axi
   ids = jnp.full((ep, m), el, jnp.int32).at[at].set(chosen % el)  # el: an empty row.
   exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
   got, got_ids = exchange(send).reshape(ep * m, d), exchange(ids).reshape(ep * m)
-  y = tiled_experts(got, got_ids, local, act, tile).astype(x.dtype)
+  mine = jnp.argsort(got_ids, stable=True)  # By local expert; empty rows last.
+  y = jnp.zeros((ep * m, d), jnp.float32).at[mine].set(
+      tiled_experts(got[mine], got_ids[mine], local, act, tile)).astype(x.dtype)
   return _combine(exchange(y.reshape(ep, m, d))[at], routing, order, tokens, x)
 
 
