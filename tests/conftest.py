@@ -14,19 +14,24 @@ from jax.experimental.compilation_cache import compilation_cache as cc
 from zerojax.runtime.devices import fake_cpu_devices
 
 # Compiling is most of an in-process test's CPU time (test_zero.py: 105 of 127 s), and
-# two XLA:CPU settings make it cheaper without touching what the tests read:
+# three XLA:CPU settings make it cheaper without touching what the tests read:
 # - LLVM at -O0 changes only the machine code, not the HLO passes: buffer assignment
 #   (argument, output, temp and alias bytes) is the same for 16 test_zero programs.
 # - The legacy LLVM emitters for fusions, not the MLIR fusion emitters: the tiny stage-3
 #   step compiles in 3.2 s of CPU instead of 8.0 (test_zero.py: 134 -> 62 s of user
 #   CPU). Fusion decisions may differ by a few ops (that step's temporaries: 8,135,848
 #   bytes, not 8,135,720); collectives, their dtypes and the layout are GSPMD's, before.
+# - LLVM on the whole module in one go, not split into chunks for a thread pool
+#   (xla_cpu_parallel_codegen_split_count=1): on two cores the split costs more than it
+#   parallelizes; the HLO and its buffers are untouched (test_zero.py: 39-41 -> 35-36 s
+#   of CPU, three runs each, 2026-12-05).
 # Children (train.py, launch, the CLIs) inherit them: they test what a process does
 # (exit statuses, signals, files, resuming bit for bit, peers), which no XLA:CPU code
 # generation setting changes, and their runs are tiny, so compiling is most of their CPU
 # (a 16-step 1-layer run: 23.8 s of user CPU with XLA's defaults, 13.0 s with these).
 # Where a test needs train.py's own XLA:CPU flags it sets them (test_stage3_sweep.py).
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                "--xla_cpu_parallel_codegen_split_count=1")
 
 # Without the XLA:CPU memory flags: the tests compile faster with XLA's default scheduler.
 fake_cpu_devices(8, *FAST_COMPILE, memory_flags=False)
