@@ -50,6 +50,11 @@ ROWS = [
     ("moe: configs/qwen3_30b_a3b_8x80gb.py", "qwen3_30b_a3b_8x80gb", (), "h100:8"),
     ("moe: configs/qwen3_235b_a22b_8xh200.py", "qwen3_235b_a22b_8xh200", (), "h200:8"),
     ("moe: configs/mixtral_8x7b_8x80gb.py", "mixtral_8x7b_8x80gb", (), "h100:8"),
+    # The largest model per GPU: the whole model in host memory, a layer at a time.
+    ("largest: configs/405b_8xh200.py", "405b_8xh200", (), "h200:8"),
+    ("largest: configs/405b_1xh200.py", "405b_1xh200", (), "h200:1"),
+    ("largest: configs/70b_1xh100.py", "70b_1xh100", (), "h100:1"),
+    ("largest: configs/70b_1x4090.py", "70b_1x4090", (), "rtx4090:1"),
 ]
 
 
@@ -76,6 +81,7 @@ def measure(label, name, overrides, target, cpu):
              memory_fraction=fraction, planner=e.total, planner_host=e.host_total,
              gpu=out["arguments"] + out["temporaries"], gpu_arguments=out["arguments"],
              gpu_temporaries=out["temporaries"], gpu_host=out["host_arguments"],
+             gpu_host_temporaries=out["host_temporaries"],
              gpu_seconds=time.perf_counter() - start)
   row["fits"] = row["gpu"] <= budget
   row["planner_over_gpu"] = row["planner"] / row["gpu"]

@@ -117,6 +117,41 @@ def test_the_calibration_range_of_the_recorded_configs():
   assert (by("configs/70b_bf16.py"), by("configs/8b_bf16.py")) == ("28.53 GiB", "17.84 GiB")
 
 
+def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
+  """The recipes that hold the model in host memory (`benchmarks/gpu_targets.py --rows
+  largest:`, recorded), each as XLA's GPU compiler laid it out: Llama-3.1-405B on 8 x H200
+  (params on the device, the optimizer state and saved inputs in host memory) and on one
+  H200, a 70B on one H100 and on one RTX 4090; host memory at most 2 TiB a node for the
+  405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
+  compiled host buffers (state + saved inputs); its device bytes within 5% at 8 shards,
+  and over the compiled on one device (1.46-2.06: it counts fp32 gradients there that
+  the compiled step does not hold, WORKSPACE "Open ends")."""
+  rows = {label[len("largest: configs/"):-3]: r for label, r in recorded().items()
+          if label.startswith("largest: ")}
+  assert sorted(rows) == ["405b_1xh200", "405b_8xh200", "70b_1x4090", "70b_1xh100"]
+  for name, r in rows.items():
+    e, budget = planned(name, r["overrides"], r["target"])
+    assert (e.total, e.host_total, budget) == (r["planner"], r["planner_host"], r["budget"])
+    assert r["fits"], name
+    compiled_host = r["gpu_host"] + r["gpu_host_temporaries"]
+    assert abs(e.host_total / compiled_host - 1) < 0.01, name
+    devices = targets.parse(r["target"]).devices
+    assert (abs(r["planner"] / r["gpu"] - 1) < 0.05 if devices > 1
+            else 1.4 < r["planner"] / r["gpu"] < 2.1), name
+  node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
+      r["target"]).devices
+  assert stated(rows["405b_8xh200"]["gpu"], "120.52 GiB") == "120.52 GiB"
+  assert stated(node(rows["405b_8xh200"]), "1.60 TiB") == "1.60 TiB"
+  assert stated(rows["405b_1xh200"]["gpu"], "59.71 GiB") == "59.71 GiB"
+  assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
+  assert max(node(rows["405b_8xh200"]), node(rows["405b_1xh200"])) <= 2 * 2**40
+  assert stated(rows["70b_1xh100"]["gpu"], "63.50 GiB") == "63.50 GiB"
+  assert stated(node(rows["70b_1xh100"]), "390.34 GiB") == "390.34 GiB"
+  assert stated(rows["70b_1x4090"]["gpu"], "18.72 GiB") == "18.72 GiB"
+  assert stated(node(rows["70b_1x4090"]), "395.34 GiB") == "395.34 GiB"
+  assert node(rows["70b_1x4090"]) <= 512 * 2**30
+
+
 # README "Long sequences": the planner's host bytes a device (a node) of each row; the
 # compiled host bytes equal them (tests/test_gpu_cli.py: rows 1 and 5 compiled).
 LONG = [("70b_256k_8x80gb", (), "40.00 GiB", "320 GiB"),
