@@ -14,8 +14,8 @@ allocated): 63.50 GiB on the device (40 GiB of it the saved layer inputs), where
 allocator has 74.72 GiB of an H100 as train.py runs it, + 390.34 GiB of host memory. The
 planner says 92.68 GiB (1.460: on one device it still counts fp32 gradients the compiled
 step does not hold; WORKSPACE "Open ends"). Its bus line: 975 GB over PCIe a step, 11.12
-s at 50 GB/s a direction against 35.88 s of compute at 40% MFU. None of this has run on an
-H100.
+s at 50 GB/s a direction against 35.88 s of compute at 40% MFU; the copies hide from
+three sequences (12,288 tokens a step). None of this has run on an H100.
 """
 
 import ml_collections

@@ -6,6 +6,7 @@ Planner arithmetic only (no compiles): the 70B's shapes come from `jax.eval_shap
 import dataclasses
 import json
 import math
+import os
 import re
 
 import jax
@@ -178,6 +179,28 @@ def test_the_bus_line_is_pcie_time_over_compute_time(capsys):
   assert found, line
   bus, compute, ratio = map(float, found.groups())
   assert ratio > 1 and ratio == pytest.approx(bus / compute, rel=0.05)
+
+
+@pytest.mark.parametrize("name, target, hiding", [
+    ("8b_1x4090.py", "rtx4090:1", 2), ("70b_1xh100.py", "h100:1", 3),
+    ("405b_1xh200.py", "h200:1", 2)])
+def test_the_copies_hide_from_the_stated_batch_and_not_one_sequence_less(
+    name, target, hiding, capsys):
+  """The bus line's "hidden from N tokens a step": the planner rerun at the global batch it
+  suggests is hidden behind compute (ratio <= 1), one sequence a device fewer is not; the
+  model's and state's bytes stay, the FLOPs grow with the sequences."""
+  def pcie(*extra):
+    memory_report.main(["--config", os.path.join(CONFIGS, name), "--target", target,
+                        "--json", *extra])
+    return json.loads(capsys.readouterr().out)["pcie"]
+
+  now = pcie()
+  assert now["hiding_sequences"] == hiding and now["hiding_global_batch"] == hiding
+  at = pcie(f"--config.train.global_batch_size={hiding}")
+  below = pcie(f"--config.train.global_batch_size={hiding - 1}")
+  assert at["ratio"] <= 1 < below["ratio"], (at["ratio"], below["ratio"])
+  assert at["h2d"] == below["h2d"] or "saved activations" in at["traffic"]
+  assert at["hiding_sequences"] == below["hiding_sequences"] == hiding
 
 
 def test_without_a_known_link_the_line_says_so(capsys):

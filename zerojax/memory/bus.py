@@ -13,9 +13,16 @@ Per device and optimizer step, M microbatches, each offload's (host->device, dev
   them back: (A M, A M), A one microbatch's.
 
 The link is full duplex: the copies take max(host->device, device->host) / bandwidth.
+
+More sequences a microbatch (the same length and microbatch count) hide the copies: the
+model's and the optimizer state's bytes stay (under release they come once a microbatch
+whatever its size), while the FLOPs and the saved activations' bytes grow with it
+(`Bus.hiding_sequences`). More microbatches do not, under release: each moves the layers
+again.
 """
 
 import dataclasses
+import math
 
 from zerojax.memory.spec import RunSpec
 from zerojax.models import MlpLM, llama
@@ -77,6 +84,10 @@ class Bus:
       measures MFU: model FLOPs over time).
     peak: the device's peak bf16 FLOP/s (0: unknown).
     mfu: the model FLOPs utilization the compute time assumes.
+    sequences: sequences (or their slices) a device trains on per microbatch.
+    global_batch: train.global_batch_size (`sequences` x the devices the examples are
+      split over x microbatches).
+    seq_len: train.seq_len.
   """
   traffic: dict
   link: str
@@ -85,6 +96,9 @@ class Bus:
   recompute: float
   peak: float
   mfu: float
+  sequences: int = 1
+  global_batch: int = 1
+  seq_len: int = 0
 
   @property
   def h2d(self) -> int:
@@ -109,12 +123,36 @@ class Bus:
     """Copy time / compute time: above 1 the step waits on the bus (0: unknown)."""
     return self.seconds / self.compute_seconds if self.seconds and self.compute_seconds else 0.0
 
+  @property
+  def hiding_sequences(self) -> int:
+    """The fewest sequences a device per microbatch at which the copies take no longer
+    than the compute (the same length and microbatches): the model's and the state's
+    bytes stay, the FLOPs and the saved activations' bytes scale with the sequences.
+    0 where unknown, or where the activations' own copies outrun the compute."""
+    if not (self.bandwidth and self.compute_seconds):
+      return 0
+    per_sequence = self.compute_seconds * self.bandwidth / self.sequences  # Bytes' worth.
+    need = 0.0
+    for direction in (0, 1):  # Full duplex: each direction on its own.
+      fixed = sum(v[direction] for k, v in self.traffic.items() if k != "saved activations")
+      grows = self.traffic.get("saved activations", (0, 0))[direction] / self.sequences
+      if fixed and per_sequence <= grows:
+        return 0
+      need = max(need, fixed / (per_sequence - grows) if fixed else 0.0)
+    return max(1, math.ceil(need - 1e-9))
+
   def to_dict(self) -> dict:
     return dict(traffic={k: dict(h2d=a, d2h=b) for k, (a, b) in self.traffic.items()},
                 h2d=self.h2d, d2h=self.d2h, link=self.link, bandwidth=self.bandwidth,
                 seconds=self.seconds, flops=self.flops, recompute_flops=self.recompute,
                 peak_flops=self.peak, mfu=self.mfu, compute_seconds=self.compute_seconds,
-                ratio=self.ratio)
+                ratio=self.ratio, hiding_sequences=self.hiding_sequences,
+                hiding_global_batch=self.hiding_global_batch)
+
+  @property
+  def hiding_global_batch(self) -> int:
+    """train.global_batch_size at `hiding_sequences` (0 where that is unknown)."""
+    return self.global_batch * self.hiding_sequences // self.sequences
 
   def line(self) -> str:
     """"PCIe 12.3 GB per step per device: 0.49 s at 25 GB/s; compute 0.21 s at 40% MFU:
@@ -132,8 +170,14 @@ class Bus:
     if not self.compute_seconds:
       return text + "compute unknown (no peak FLOP/s for this device: train.peak_flops)"
     text += f"compute {self.compute_seconds:.2f} s at {self.mfu:.0%} MFU: "
-    return text + (f"bus-bound by {self.ratio:.1f}x" if self.ratio > 1
-                   else f"hidden behind compute ({self.ratio:.1f}x)")
+    text += (f"bus-bound by {self.ratio:.1f}x" if self.ratio > 1
+             else f"hidden behind compute ({self.ratio:.1f}x)")
+    if self.hiding_sequences:
+      batch = self.hiding_global_batch
+      text += (f"; hidden from {batch * self.seq_len:,} tokens a step "
+               f"({self.hiding_sequences} sequence(s) a device a microbatch: "
+               f"--config.train.global_batch_size={batch})")
+    return text
 
 
 def bus(s: RunSpec, host: dict, link=None, bandwidth: float = 0.0, peak: float = 0.0,
@@ -143,4 +187,5 @@ def bus(s: RunSpec, host: dict, link=None, bandwidth: float = 0.0, peak: float =
   when given, at `peak` FLOP/s x `mfu`."""
   flops, recompute = step_flops(s)
   return Bus(traffic(s, host), link.name if link and not bandwidth else "",
-             bandwidth or (link.bandwidth if link else 0.0), flops, recompute, peak, mfu)
+             bandwidth or (link.bandwidth if link else 0.0), flops, recompute, peak, mfu,
+             s.batch, s.batch * s.example_shards * s.microbatches, s.seq_len)
