@@ -20,11 +20,12 @@ Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 1.96 GiB of arguments (the embedding and the head, which stay)
 + 10.82 GiB of temporaries = 12.77 GiB, where XLA's allocator has 21.84 GiB of a 4090
 as train.py runs it; + 57.87 GiB of host memory (layers 13.00, moments 29.92, Kahan
-buffer 14.96). The planner's estimate 18.50 GiB is 1.45 times that (its release terms
-were calibrated on 8 shards, not one). Its bus line: 138.2 GB over PCIe per step, 3.04 s
-at 25 GB/s against 2.99 s of compute at 40% MFU, so this one is bus-bound (1.0x): the
-bytes moved are the model's, the compute is the tokens', so a longer sequence hides
-them (more microbatches do not: under release each moves the layers again).
+buffer 14.96). The planner's estimate 12.72 GiB (0.996; its peak, as the compiled
+one, is the embedding's and head's update after the layer loop). Its bus line: 138.2 GB
+over PCIe per step, 3.04 s at 25 GB/s against 2.99 s of compute at 40% MFU, so this one
+is bus-bound (1.0x): the bytes moved are the model's, the compute is the tokens', so
+more tokens hide them, from two sequences a step (more microbatches do not: under
+release each moves the layers again).
 
 `train.py --dry_run --target` reads the compiled schedule: 90 copies to the device in 2
 loop bodies, 61% of their bytes with compute scheduled under them (a schedule, not a

@@ -14,7 +14,7 @@ every sixth is global and the others attend to the latest 1024 positions, heads 
 Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 1.88 GiB of arguments + 15.03 GiB of temporaries = 16.91
 GiB of the 21.84 XLA's allocator has; + 85.79 GiB of host memory (layers 20.04, moments
-43.83, Kahan buffer 21.92). The planner's estimate 17.93 GiB (1.06). Attention: the
+43.83, Kahan buffer 21.92). The planner's estimate 16.88 GiB (0.998). Attention: the
 blocked loop, since cuDNN takes heads of 256 only from Hopper on (`attention_kernel`).
 Its bus line: 206 GB over PCIe per step, 4.55 s at 25 GB/s against 4.68 s of compute
 at 40% MFU. Not run on a GPU yet.

@@ -14,8 +14,7 @@ Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 0.50 GiB of arguments (the embedding and the head, which
 stay) + 5.66 GiB of temporaries = 6.16 GiB of the 21.84 XLA's allocator has; + 53.50
 GiB of host memory (layers 13.00, moments 27.00, Kahan buffer 13.50). The planner's
-estimate 7.84 GiB is 1.27 times that (release on one shard: the planner's one-shard
-figures are issue 35's). Its bus line: 128.9 GB over PCIe per step, 2.86 s at 25 GB/s
+estimate 6.06 GiB (0.985). Its bus line: 128.9 GB over PCIe per step, 2.86 s at 25 GB/s
 against 2.85 s of compute at 40% MFU (bus-bound, 1.0x). Not run on a GPU yet.
 """
 

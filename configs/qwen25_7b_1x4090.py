@@ -13,8 +13,7 @@ Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 2.03 GiB of arguments (the embedding and the head, which
 stay) + 11.19 GiB of temporaries = 13.22 GiB of the 21.84 XLA's allocator has; + 54.71
 GiB of host memory (layers 12.15, moments 28.37, Kahan buffer 14.19). The planner's
-estimate 19.28 GiB is 1.46 times that (release on one shard, as for the 8B recipe: the
-planner's one-shard figures are issue 35's). Its bus line: 130.5 GB over PCIe per step,
+estimate 13.20 GiB (0.998). Its bus line: 130.5 GB over PCIe per step,
 2.87 s at 25 GB/s against 2.78 s of compute at 40% MFU (bus-bound, 1.0x). Not run on a
 GPU yet.
 """

@@ -13,7 +13,7 @@ Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 2.32 GiB of arguments (the embedding and the head, which
 stay) + 12.78 GiB of temporaries = 15.10 GiB of the 21.84 XLA's allocator has; + 58.71
 GiB of host memory (layers 12.94, moments 30.51, Kahan buffer 15.26). The planner's
-estimate 21.06 GiB is 1.39 times that (as for the 8B recipe: release on one shard). Its
+estimate 15.07 GiB (0.998). Its
 bus line: 140 GB over PCIe per step, 3.08 s at 25 GB/s against 3.04 s of compute at 40%
 MFU (bus-bound, 1.0x). Not run on a GPU yet.
 """

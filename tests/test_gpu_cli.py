@@ -35,9 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 RECIPE = os.path.join(ROOT, "configs", "70b_8x80gb.py")
 ADAMW_OFFLOAD = ["optimizer.name=adamw", "optimizer.b2=0.95", "optimizer.offload=host"]
-# README: the planner over-plans the offload and long-sequence configs by 3-45% (planner /
-# GPU-compiled 1.03-1.45, two decimals), where the calibrated configs are 0.93-1.03.
-OVER = ("1.03", "1.45")
+# README: the planner over-plans the offload and long-sequence configs on 8 devices by 3-11%
+# (planner / GPU-compiled 1.03-1.11, two decimals), where the calibrated configs are
+# 0.93-1.03.
+OVER = ("1.03", "1.11")
 
 
 def over_planned(planner, compiled):
@@ -219,7 +220,11 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
   memory_report.main(["--config", path, "--target", target, "--json"])  # The planner's bus.
   plan = json.loads(capsys.readouterr().out)
   bus = plan["pcie"]
-  assert over_planned(plan["total"], mem["arguments"] + mem["temporaries"])
+  compiled = mem["arguments"] + mem["temporaries"]
+  # One card: the planner reads release on one device as XLA lays it out
+  # (`memory.step._one_device`); on 8 it over-plans.
+  assert (abs(plan["total"] / compiled - 1) < 0.05 if spec.devices == 1
+          else over_planned(plan["total"], compiled)), plan["total"] / compiled
   node = mem["host_arguments"] * min(spec.devices, 8)
   found = [fmt_bytes(mem["arguments"] + mem["temporaries"]), fmt_bytes(pool),
            fmt_bytes(mem["host_arguments"]), f"{node / GIB:.0f} GiB" if spec.devices > 1 else None,

@@ -123,9 +123,9 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   (params on the device, the optimizer state and saved inputs in host memory) and on one
   H200, a 70B on one H100 and on one RTX 4090; host memory at most 2 TiB a node for the
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
-  compiled host buffers (state + saved inputs); its device bytes within 5% at 8 shards,
-  and over the compiled on one device (1.46-2.06: it counts fp32 gradients there that
-  the compiled step does not hold, WORKSPACE "Open ends")."""
+  compiled host buffers (state + saved inputs); its device bytes within 5% at 8 shards
+  and on the H100, 1.064 and 1.080 over on the 4090 and the H200 (its layer loop counts
+  every state buffer of two layers in flight, and two copies of the head)."""
   rows = {label[len("largest: configs/"):-3]: r for label, r in recorded().items()
           if label.startswith("largest: ")}
   assert sorted(rows) == ["405b_1xh200", "405b_8xh200", "70b_1x4090", "70b_1xh100"]
@@ -135,9 +135,8 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
     assert r["fits"], name
     compiled_host = r["gpu_host"] + r["gpu_host_temporaries"]
     assert abs(e.host_total / compiled_host - 1) < 0.01, name
-    devices = targets.parse(r["target"]).devices
-    assert (abs(r["planner"] / r["gpu"] - 1) < 0.05 if devices > 1
-            else 1.4 < r["planner"] / r["gpu"] < 2.1), name
+    assert 0.95 < r["planner"] / r["gpu"] < (1.05 if name in ("405b_8xh200", "70b_1xh100")
+                                              else 1.09), name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
   assert stated(rows["405b_8xh200"]["gpu"], "120.52 GiB") == "120.52 GiB"

@@ -2,13 +2,16 @@
 the estimate's components by their shapes."""
 
 import collections
+import math
 import re
 
 from zerojax.memory.spec import RunSpec, _leaves
 
 
-def attribute(s: RunSpec, buffers: list[tuple[int, str, str]]) -> dict:
-  """Compiled temporaries at the peak, by estimate component, from their shapes."""
+def attribute(s: RunSpec, buffers: list[tuple[int, str, str]], one_device: bool = False
+              ) -> dict:
+  """Compiled temporaries at the peak, by estimate component, from their shapes;
+  `one_device`: by the components of `memory.step._one_device`'s plan."""
   # A device's positions: its slice of each sequence with sequence parallelism.
   V, D, L, T, b = s.vocab_size, s.d_model, s.n_layers, s.positions, s.batch
   leaves = _leaves(s)
@@ -16,11 +19,19 @@ def attribute(s: RunSpec, buffers: list[tuple[int, str, str]]) -> dict:
       shard for _, layered, _, shard in leaves if layered}
   layer = {x[1:] for x, layered, _, _ in leaves if layered}
   vocab, vocab_local = {(V, D), (D, V)}, {shard for _, _, v, shard in leaves if v}
+  # A layer's slice of a host stack arrives flat ([1, n]) or in its own shape.
+  layer_sizes = {math.prod(x) for x in layer}
   out, gathers = collections.Counter(), s.behaviour.shards_params
   for size, text, _ in buffers:
     m = re.match(r"(\w+)\[([\d,]*)\]", text)
     shape, f32 = tuple(int(x) for x in m.group(2).split(",") if x) if m else (), text[:3] == "f32"
-    if not shape:
+    if one_device:
+      n = math.prod(shape)
+      key = ("vocab copies" if shape in vocab else
+             "saved activations" if len(shape) >= 3 and shape[0] == L else
+             "streamed layers" if n in layer_sizes and len(shape) <= 2 else
+             "update activations")
+    elif not shape:
       key = "working set"
     elif shape in stacks:
       key = "gradients" if f32 else "layer gradients"

@@ -113,6 +113,8 @@ def _labels(s: RunSpec, gpu: bool = False) -> dict:
   params = ""
   if s.param_offload:
     params = "; host stack, 3 layers" if s.release else "; host between steps"
+    if gpu and s.release and not s.gathers:  # memory.step._one_device
+      params = "; the layer stack in host memory"
   moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
   grads = {"psum_scatter_in_gather": "local shards",
            "psum_scatter_per_microbatch": f"/{s.fsdp} + one leaf whole"}.get(
@@ -138,6 +140,12 @@ def _labels(s: RunSpec, gpu: bool = False) -> dict:
       "loss chunk": "loss chunk (fp32 logits)",
       "embedding copy": "embedding copy (XLA:CPU)",
       "streamed state": "optimizer state streamed in for the update",
+      # One device, release, the layer stack in host memory (memory.step._one_device):
+      "streamed layers": "layers in flight: this one's and the next's params and state, "
+                         "its gradient",
+      "vocab copies": "embedding/head: two copies",
+      "update activations": "the layer's activations at its update",
+      "vocab update": "embedding/head update: their state",
       "saved activations (host)": "saved activations (every layer's)",
       "batch": "batch (int32 tokens)"}
 
@@ -451,7 +459,8 @@ def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
       compiled = gpu_compile.compile_step(built, config, spec, dump_to=dump).memory
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
-    return compiled, attribute(e.setup, xla_dump.live_at_peak(dump))
+    return compiled, attribute(e.setup, xla_dump.live_at_peak(dump),
+                               one_device="streamed layers" in e.components)
   finally:
     shutil.rmtree(dump, ignore_errors=True)
 

@@ -2,10 +2,18 @@
 and `Estimate`, its per-device components and the phases they peak in."""
 
 import dataclasses
+import math
 
 from zerojax.memory.activations import activations, all_to_all_bytes
 from zerojax.memory.bus import traffic
-from zerojax.memory.spec import DEVICES_PER_NODE, DTYPE_BYTES, RunSpec, _as_setup, param_counts
+from zerojax.memory.spec import (
+  DEVICES_PER_NODE,
+  DTYPE_BYTES,
+  RunSpec,
+  _as_setup,
+  _leaves,
+  param_counts,
+)
 from zerojax.runtime import platform
 
 __all__ = ["DEVICES_PER_NODE", "Estimate", "estimate"]
@@ -149,6 +157,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
     stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
     moved = max(local - stacked, stacked // L)
     streamed = (moments * sb + rule) * moved
+  if streams_one_device(s):
+    return _one_device(s, counts, conventional, comp, host, int(device_memory),
+                       int(host_memory))
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
   # and writes each layer's fp32 gradient into them (`stage3.scan_layers`; remat 'none'
@@ -209,3 +220,55 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   return Estimate(s, P, conventional, comp, parts, int(state), int(device_memory),
                   {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, remat),
                   int(host_memory))
+
+
+def streams_one_device(s: RunSpec) -> bool:
+  """Release on one shard with the layer stack in host memory, compiled for a GPU: the
+  step `_one_device` plans (nothing is gathered or reduced, so no gradient is fp32)."""
+  return s.release and s.param_offload and not s.gathers and platform.backend() == "gpu"
+
+
+def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
+                device_memory: int, host_memory: int) -> Estimate:
+  """The step of `streams_one_device`, as XLA's GPU compiler lays it out at its two peaks
+  (docs/design/planner.md, "Release on one device"; read off the compiled buffers of
+  eight one-device recipes, 8B to 405B):
+
+  - the layer loop: for each layer parameter, this layer's and the next one's slices of
+    the host stacks in flight (the param and every offloaded state buffer: 2 (p + S)
+    bytes), its gradient in the param dtype (nothing reduces it, so nothing upcasts it),
+    stochastic rounding's fp32 value; two copies of the largest vocabulary leaf; the
+    layer's MLP and residual values at its update (2 F + 6 D a position, compute dtype);
+    the saved activations the device keeps;
+  - the update of the embedding and head after it, one leaf at a time: two copies of the
+    leaf, the updated state of every vocabulary leaf and the state streamed in for the
+    one being updated, stochastic rounding's fp32 value.
+
+  The layer stack is host memory only: the arguments are the non-layer params (and the
+  optimizer state, unless it is offloaded).
+  """
+  pb, sb, cb = (DTYPE_BYTES[x] for x in (s.param_dtype, s.state_dtype, s.compute_dtype))
+  moments = {"adamw": 2, "lion": 1, "sgd": 1 if s.momentum else 0}[s.optimizer]
+  state = (moments * sb + {"kahan": pb, "master": 4}.get(s.update_rule, 0)) if s.offload else 0
+  fp32 = 4 if s.update_rule == "stochastic" else 0
+  vocab = [math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab]
+  largest = max(vocab, default=0)
+  layer = counts.layers // s.n_layers
+  comp = dict(comp, params=pb * (counts.total - counts.layers))
+  acts = activations(s, counts, "full")
+  host["saved activations"] = acts["saved activations (host)"]
+  temps = {
+      "streamed layers": layer * (2 * (pb + state) + pb + fp32),
+      "vocab copies": 2 * pb * largest,
+      "update activations": s.batch * s.seq_len * (2 * s.mlp_width + 6 * s.d_model) * cb,
+      "saved activations": acts["saved activations"],
+      "vocab update": largest * (len(vocab) * state + state + fp32)}
+  parts = {"layer loop": ["streamed layers", "vocab copies", "update activations",
+                          "saved activations"],
+           "embedding and head update": ["vocab copies", "vocab update"]}
+  args = sum(comp.values())
+  comp = {k: int(v) for k, v in {**comp, **temps}.items() if v}
+  parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
+  return Estimate(s, counts.total, conventional, comp, parts, int(args), device_memory,
+                  {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, "full"),
+                  host_memory)
