@@ -107,13 +107,13 @@ def host_link(e: Estimate, spec, bandwidth: float, peak: float, mfu: float) -> b
   return bus.bus(e.setup, e.host, spec and links.of(spec.target.name), bandwidth, peak, mfu)
 
 
-def _labels(s: RunSpec, gpu: bool = False) -> dict:
+def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
   b = s.behaviour
   shard = lambda on: f", /{s.fsdp}" if on else ""
   params = ""
   if s.param_offload:
     params = "; host stack, 3 layers" if s.release else "; host between steps"
-    if gpu and s.release and not s.gathers:  # memory.step._one_device
+    if one_device:  # Estimate.one_device
       params = "; the layer stack in host memory"
   moments = {"adamw": "mu + nu", "lion": "momentum", "sgd": "momentum"}[s.optimizer]
   grads = {"psum_scatter_in_gather": "local shards",
@@ -208,7 +208,7 @@ def format_table(e: Estimate, compiled: dict | None = None, attributed: dict | N
       text += f" {fmt_bytes(comp):>11s}  " + (f"{est / comp:5.2f}" if comp else "  -")
     lines.append(text)
 
-  labels = _labels(s, gpu)
+  labels = _labels(s, gpu, e.one_device)
   for key in ("params", "optimizer", "update buffer", "batch"):
     if key in e.components:
       row(" ", labels[key], e.components[key])
@@ -460,7 +460,7 @@ def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
     return compiled, attribute(e.setup, xla_dump.live_at_peak(dump),
-                               one_device="streamed layers" in e.components)
+                               one_device=e.one_device)
   finally:
     shutil.rmtree(dump, ignore_errors=True)
 

@@ -55,6 +55,12 @@ class Estimate:
   host_memory: int = 0
 
   @property
+  def one_device(self) -> bool:
+    """Planned as release on one device with the layer stack in host memory
+    (`streams_one_device`: `_one_device`'s components)."""
+    return "streamed layers" in self.components
+
+  @property
   def phases(self) -> dict:
     """Phase name -> per-device bytes of its temporaries."""
     return {k: sum(self.components[x] for x in v) for k, v in self.parts.items()}
@@ -157,8 +163,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
     stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
     moved = max(local - stacked, stacked // L)
     streamed = (moments * sb + rule) * moved
-  if streams_one_device(s):
-    return _one_device(s, counts, conventional, comp, host, int(device_memory),
+  if streams_one_device(s):  # Its offloaded state: moments and buffer, per parameter.
+    state_bytes = moments * sb + rule if s.offload else 0
+    return _one_device(s, counts, conventional, comp, host, state_bytes, int(device_memory),
                        int(host_memory))
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
@@ -228,7 +235,7 @@ def streams_one_device(s: RunSpec) -> bool:
   return s.release and s.param_offload and not s.gathers and platform.backend() == "gpu"
 
 
-def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
+def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict, state: int,
                 device_memory: int, host_memory: int) -> Estimate:
   """The step of `streams_one_device`, as XLA's GPU compiler lays it out at its two peaks
   (docs/design/planner.md, "Release on one device"; read off the compiled buffers of
@@ -245,11 +252,10 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
     one being updated, stochastic rounding's fp32 value.
 
   The layer stack is host memory only: the arguments are the non-layer params (and the
-  optimizer state, unless it is offloaded).
+  optimizer state, unless it is offloaded). `state`: the offloaded state's bytes per
+  parameter (0 when it stays on the device).
   """
-  pb, sb, cb = (DTYPE_BYTES[x] for x in (s.param_dtype, s.state_dtype, s.compute_dtype))
-  moments = {"adamw": 2, "lion": 1, "sgd": 1 if s.momentum else 0}[s.optimizer]
-  state = (moments * sb + {"kahan": pb, "master": 4}.get(s.update_rule, 0)) if s.offload else 0
+  pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
   fp32 = 4 if s.update_rule == "stochastic" else 0
   vocab = [math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab]
   largest = max(vocab, default=0)
