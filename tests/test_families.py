@@ -27,8 +27,10 @@ from safetensors.numpy import load_file, save_file
 import zerojax
 from zerojax import data, generate, hf, sequence
 from zerojax.config import ConfigError, load_config
+from zerojax.data import sft
 from zerojax.models import attention, from_config, llama
 
+from test_chat_families import family_folder
 from test_train import train_here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,15 +171,36 @@ def test_a_few_steps_lower_the_loss(ckpt):
   assert losses[-1] < losses[0] - 0.05, losses
 
 
+def _qwen3_chats(tmp_path) -> list[str]:
+  """Chat SFT data for Qwen3's tiny checkpoint: 40 two-turn sums in Qwen3's format
+  (`test_chat_families.family_folder`: a tokenizer of 79 ids, under its 97), reasoning on
+  every other first turn, so each conversation is split into one example a turn."""
+  rng = np.random.default_rng(2)
+  lines = []
+  for i in range(40):
+    (a, b), (c, d) = rng.integers(0, 50, (2, 2))
+    first = f"<think>\n{a} plus {b}\n</think>\n\n{a + b}." if i % 2 else f"{a + b}."
+    lines.append(json.dumps({"messages": [
+        {"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": first},
+        {"role": "user", "content": f"And {c}+{d}?"},
+        {"role": "assistant", "content": f"{c + d}."}]}) + "\n")
+  (tmp_path / "chat.jsonl").write_text("".join(lines))
+  return ["--config.data.name=sft", f"--config.data.path={tmp_path / 'chat.jsonl'}",
+          f"--config.data.tokenizer={family_folder(tmp_path / 'tok', 'qwen3')}",
+          "--config.train.seq_len=64"]
+
+
 # Not Mistral: Llama's block with a window (the kernels' tests), the import and the
-# config check as the others'.
+# config check as the others'. Qwen3's on chat SFT in its format, the others pretraining.
 @pytest.mark.parametrize("ckpt", ["qwen2", "qwen3", "gemma3"], indirect=True)
 def test_train_py_trains_each_family_quick_start_from_its_imported_checkpoint(ckpt, tmp_path):
   """`train.py --config configs/<family>_tiny.py --config.init_from=<transformers' folder>`
   with the `--config.model.*` overrides the folder's shapes need (`hf.config_overrides`,
   what the init_from error lists), in fp32 on the 8 devices at stage 3 (`zerojax.train.main`
   in this process): its first loss is the imported params' loss on train.py's first batch
-  (relative 1e-5: the import reached the trainer's state), and four steps lower it."""
+  (relative 1e-5: the import reached the trainer's state), and four steps lower it.
+  Qwen3's fine-tunes on chat data rendered with Qwen3's template (`_qwen3_chats`: packed
+  rows of 64 with the turns' masks), the others pretrain on tokens."""
   ids = tmp_path / "ids.npy"  # Python's bytes folded into the checkpoint's 97 ids.
   np.save(ids, (data.stdlib_corpus(1 << 16) % V).astype(np.uint16))
   args = ["--config", os.path.join(REPO, "configs", f"{ckpt.name}_tiny.py"),
@@ -191,13 +214,20 @@ def test_train_py_trains_each_family_quick_start_from_its_imported_checkpoint(ck
           "--config.model.loss_chunk=16", "--config.train.log_every=1",
           "--config.train.eval_every=0", "--config.train.eval_batches=1",
           f"--config.init_from={ckpt.folder}", f"--config.workdir={tmp_path / 'run'}"]
+  if ckpt.name == "qwen3":
+    args += _qwen3_chats(tmp_path)
   result = train_here(*args)
   assert result.returncode == 0, result.stderr[-3000:]
   records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   losses = [r["loss"] for r in records if "loss" in r]
   config = load_config(args[1], args[2:])
-  train_tokens, _ = data.load_tokens(config.data, V, 16)
-  batch = {"tokens": jnp.asarray(data.batch_at(train_tokens, 0, 8, 16, 0))}
+  if ckpt.name == "qwen3":
+    assert "80 examples" in result.stdout and "40 conversations split" in result.stdout
+    train_examples, _, _ = sft.load(config.data, V, 64)
+    batch = jax.tree.map(jnp.asarray, sft.batch_at(train_examples, 0, 8, 0))
+  else:
+    train_tokens, _ = data.load_tokens(config.data, V, 16)
+    batch = {"tokens": jnp.asarray(data.batch_at(train_tokens, 0, 8, 16, 0))}
   expected = float(jax.jit(ckpt.model.loss)(ckpt.params, batch))
   assert losses[0] == pytest.approx(expected, rel=1e-5), (losses, expected)
   assert len(losses) == 4 and losses[-1] < losses[0], losses

@@ -159,7 +159,8 @@ def test_bad_lines_are_skipped_counted_and_named(tmp_path):
     read(tmp_path, [lines[8]], seq_len=16, tokenizer=folder_with(tmp_path, None))
 
 
-def test_a_template_that_does_not_parse_or_is_not_prefix_stable_is_an_error(tmp_path):
+def test_a_template_that_does_not_parse_or_whose_turns_do_not_follow_their_prompt_is_an_error(
+    tmp_path):
   with pytest.raises(DataError, match="does not parse"):
     read(tmp_path, [{"messages": CONVERSATIONS[1]}], tokenizer=folder_with(tmp_path, "{% for %}"))
   backwards = "{% for m in messages | reverse %}{{ m['content'] }}{% endfor %}"
@@ -244,4 +245,4 @@ def test_generation_tags_render_their_body():
                             "{% generation %}A:{{ m['content'] }}{% endgeneration %}"
                             "{% else %}U:{{ m['content'] }}{% endif %}{% endfor %}")
   messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-  assert chat.assistant_spans(t, messages) == ("U:hiA:yo", [(4, 8)])
+  assert chat.assistant_examples(t, messages) == [("U:hiA:yo", [(4, 8)])]

@@ -12,12 +12,19 @@ the globals `raise_exception` and `strftime_now`, and the special tokens (`bos_t
 The assistant's part of a conversation is found by rendering its prefixes: turn i spans
 from the end of `render(messages[:i], add_generation_prompt=True)` (so the assistant
 header is not trained) to the end of `render(messages[:i + 1])` (its end-of-turn token
-is). This needs a template that renders a conversation's beginning as a prefix of the
-whole, which every common template does; one that does not is an error.
+is): the prompt a model answering turn i is given, then what the template writes for the
+answer. A template that renders a conversation's beginning as a prefix of the whole
+(Llama 3's, Qwen2.5's, Gemma 3's) gives one example with every turn in it. Some render
+an earlier turn differently once later messages follow (Qwen3 drops the reasoning of
+turns before the last user message; Mistral's v0.3 puts the system prompt in the last
+user message): such a turn is an example of its own, `render(messages[:i + 1])`, the
+text the template gives at that turn, so every turn is trained on what the model sees
+when it answers it. A template whose generation prompt is not a prefix of the turn it
+starts is an error.
 
     template = load_template("tok/tokenizer.json")
-    text, spans = assistant_spans(template, [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}])
+    [(text, spans)] = assistant_examples(template, [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "hello"}])
 """
 
 import datetime
@@ -55,7 +62,8 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 
 
 class TemplateError(ValueError):
-  """A chat template that cannot be used: a syntax error, or not prefix-stable."""
+  """A chat template that cannot be used: a syntax error, or a generation prompt that is
+  not where its turn begins."""
 
 
 class RenderError(ValueError):
@@ -156,27 +164,40 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
     raise RenderError(f"{type(e).__name__}: {e}") from None
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict]
-                    ) -> tuple[str, list[tuple[int, int]]]:
-  """The rendered conversation and the character spans [start, end) of its assistant turns.
+def assistant_examples(template: ChatTemplate, messages: list[dict]
+                       ) -> list[tuple[str, list[tuple[int, int]]]]:
+  """The conversation as examples: [(text, character spans [start, end) of its assistant
+  turns)], one example per run of turns the template renders as prefixes of each other.
 
   Each span runs from after the generation prompt that precedes the turn to the end of
-  the turn as rendered (its end-of-turn token included).
+  the turn as rendered (its end-of-turn token included). A turn that renders otherwise
+  once later messages follow (Qwen3's reasoning, Mistral's system prompt) closes an
+  example ending with it; the examples are in the conversation's order, the last one the
+  whole conversation's rendering.
 
   Raises:
     RenderError: the template failed on this conversation.
-    TemplateError: a prefix of the conversation does not render as a prefix of the whole.
+    TemplateError: the generation prompt after the first i messages is not a prefix of
+      their rendering with the assistant's turn i after them.
   """
-  text = render(template, messages)
-  spans = []
+  turns = []  # (generation prompt, through the turn) per assistant turn, as rendered alone.
   for i, message in enumerate(messages):
     if message["role"] != "assistant":
       continue
     before = render(template, messages[:i], add_generation_prompt=True)
     through = render(template, messages[:i + 1])
-    if not (text.startswith(before) and text.startswith(through)):
+    if not through.startswith(before):
       raise TemplateError(
           f"the chat template of {template.source} does not render the first {i} messages as "
-          "a prefix of the whole conversation, so the assistant's tokens cannot be found")
-    spans.append((len(before), len(through)))
-  return text, spans
+          f"a prefix of the first {i + 1} (the generation prompt, then the assistant's turn), "
+          "so the assistant's tokens cannot be found")
+    turns.append((before, through))
+  examples, text, spans = [], render(template, messages), []
+  for before, through in reversed(turns):  # Latest first: the whole rendering holds the last.
+    if not text.startswith(through):  # Rendered otherwise once later messages follow.
+      if spans:
+        examples.append((text, spans))
+      text, spans = through, []
+    spans.insert(0, (len(before), len(through)))
+  examples.append((text, spans))
+  return examples[::-1]

@@ -6,7 +6,9 @@ Each line of a `.jsonl` file is one example, either
   `data.add_eos`), prompt and completion tokenized apart so the boundary is exact; or
 - `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the model's chat
   template (`zerojax.data.chat`: the `tokenizer_config.json` beside `data.tokenizer`, else Llama
-  3's), which writes its own special tokens.
+  3's), which writes its own special tokens. One example per conversation, or several
+  where the template renders an earlier turn otherwise once later messages follow
+  (`chat.assistant_examples`: each such turn as the template renders it at that turn).
 
 The loss is on the completion / the assistant turns only (their end-of-turn token
 included), or with `data.train_on = 'all'` on every token but the first. Lines that
@@ -55,6 +57,8 @@ class Examples:
     row_len: tokens per row, train.seq_len + 1.
     pack: several examples per row.
     name: the file, for messages.
+    lines: int64[n], the file's line of each example (a conversation can give several),
+      so a held-out split keeps a conversation's examples together; None: one a line.
   """
   ids: np.ndarray
   mask: np.ndarray
@@ -63,6 +67,7 @@ class Examples:
   row_len: int
   pack: bool
   name: str = ""
+  lines: np.ndarray | None = None
   # Caches: {(seed, epoch): rows} of recent epochs, {(seed, epoch): row count} of all.
   _epochs: dict = dataclasses.field(default_factory=dict, repr=False)
   _counts: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -77,7 +82,7 @@ class Examples:
     lengths = self.lengths[index]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     return Examples(self.ids[at], self.mask[at], starts, lengths, self.row_len, self.pack,
-                    self.name)
+                    self.name, None if self.lines is None else self.lines[index])
 
 
 class _Skip(Exception):
@@ -112,7 +117,8 @@ def _prompt_completion(record: dict, tokenizer: Any, bos: int | None, eos: int |
   return head + tail, [False] * len(head) + [True] * len(tail)
 
 
-def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int], list[bool]]:
+def _conversation(record: dict, tokenizer: Any, template: Any
+                  ) -> list[tuple[list[int], list[bool]]]:
   from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
   messages = record["messages"]
   if not isinstance(messages, list) or not all(
@@ -125,18 +131,44 @@ def _conversation(record: dict, tokenizer: Any, template: Any) -> tuple[list[int
   if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
     raise _Skip("no assistant turn with content")
   try:
-    text, spans = chat.assistant_spans(template, messages)
+    pieces = chat.assistant_examples(template, messages)
   except chat.RenderError as e:
     raise _Skip("the chat template failed", str(e)) from None
-  except chat.TemplateError as e:  # Not prefix-stable: a property of the template.
-    raise DataError(str(e), key="data.tokenizer", fix="use a template that renders a "
-                    "conversation's beginning as a prefix of it") from None
-  encoding = tokenizer.encode(text, add_special_tokens=False)
-  starts = np.array([start for start, _ in encoding.offsets] or [0])
-  mask = np.zeros(len(encoding.ids), bool)
-  for start, end in spans:
-    mask |= (starts >= start) & (starts < end)
-  return encoding.ids, mask.tolist()
+  except chat.TemplateError as e:  # A property of the template, not of this line.
+    raise DataError(str(e), key="data.tokenizer", fix="use a template whose generation "
+                    "prompt is the beginning of the assistant's turn") from None
+  out = []
+  for text, spans in pieces:
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    starts = np.array([start for start, _ in encoding.offsets] or [0])
+    mask = np.zeros(len(encoding.ids), bool)
+    for start, end in spans:
+      mask |= (starts >= start) & (starts < end)
+    out.append((encoding.ids, mask.tolist()))
+  return out
+
+
+def _fit(example: list[int], mask: list[bool], d: Any, row_len: int
+         ) -> tuple[list[int], list[bool], bool]:
+  """An example's tokens and mask under `data.train_on` and `data.too_long`, and whether it
+  was truncated to `row_len` tokens.
+
+  Raises:
+    _Skip: too long to keep, or fewer than 2 tokens.
+  """
+  if d.train_on == "all":
+    mask = [True] * len(mask)
+  mask = [False] + list(mask[1:])  # Nothing in the example predicts its first token.
+  cut = len(example) > row_len
+  if cut:
+    if d.too_long == "drop" or not any(mask[:row_len]):
+      raise _Skip(f"longer than train.seq_len + 1 = {row_len} tokens",
+                  f"{len(example)} tokens" + ("" if d.too_long == "drop" else
+                                              ", nothing trained in the first part"))
+    example, mask = example[:row_len], mask[:row_len]
+  if len(example) < 2:
+    raise _Skip("fewer than 2 tokens")
+  return example, mask, cut
 
 
 def _template(tokenizer_path: str) -> Any:
@@ -174,11 +206,12 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
   if os.path.splitext(path)[1].lower() != ".jsonl":
     raise DataError("data.name='sft' reads .jsonl files (one JSON object per line)", path=path,
                     key=key, fix="write one {prompt, completion} or {messages} object per line")
-  bos = bos_token_id(tokenizer, d.tokenizer) if d.add_bos else None
-  eos = eos_token_id(tokenizer, d.tokenizer, d.eos_id) if d.add_eos else None
-  template, row_len = None, seq_len + 1
-  skips: dict[str, list] = collections.defaultdict(list)  # reason -> [line, detail] per line.
-  ids, masks, truncated = [], [], 0
+  # BOS / EOS only for prompt/completion lines, looked up at the first: a chat file through a
+  # tokenizer without a BOS (Qwen's) needs none, its template writes its own tokens.
+  ends, template, row_len = None, None, seq_len + 1
+  # reason -> [(line, detail)] per line, or per example of a split conversation.
+  skips: dict[str, list] = collections.defaultdict(list)
+  ids, masks, numbers, truncated, split = [], [], [], 0, 0
   try:
     with open(path, encoding="utf-8") as f:
       lines = list(enumerate(f, 1))
@@ -197,28 +230,28 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
         raise _Skip("not a JSON object")
       if "messages" in record:
         template = template or _template(d.tokenizer)
-        example, mask = _conversation(record, tokenizer, template)
+        pieces = _conversation(record, tokenizer, template)
+        split += len(pieces) > 1
       elif "prompt" in record or "completion" in record:
-        example, mask = _prompt_completion(record, tokenizer, bos, eos)
+        ends = ends or ((bos_token_id(tokenizer, d.tokenizer) if d.add_bos else None),
+                        (eos_token_id(tokenizer, d.tokenizer, d.eos_id) if d.add_eos else None))
+        pieces = [_prompt_completion(record, tokenizer, *ends)]
       else:
         raise _Skip("neither 'messages' nor 'prompt' and 'completion'",
                     f"found: {', '.join(map(repr, record)) or 'nothing'}")
-      if d.train_on == "all":
-        mask = [True] * len(mask)
-      mask = [False] + list(mask[1:])  # Nothing in the example predicts its first token.
-      if len(example) > row_len:
-        if d.too_long == "drop" or not any(mask[:row_len]):
-          raise _Skip(f"longer than train.seq_len + 1 = {row_len} tokens",
-                      f"{len(example)} tokens" + ("" if d.too_long == "drop" else
-                                                  ", nothing trained in the first part"))
-        example, mask, truncated = example[:row_len], mask[:row_len], truncated + 1
-      if len(example) < 2:
-        raise _Skip("fewer than 2 tokens")
     except _Skip as skip:
       skips[skip.reason].append((number, skip.detail))
       continue
-    ids.append(np.asarray(example, np.int32))
-    masks.append(np.asarray(mask, bool))
+    for example, mask in pieces:  # A split conversation's examples are kept or skipped apart.
+      try:
+        example, mask, cut = _fit(example, mask, d, row_len)
+      except _Skip as skip:
+        skips[skip.reason].append((number, skip.detail))
+        continue
+      truncated += cut
+      ids.append(np.asarray(example, np.int32))
+      masks.append(np.asarray(mask, bool))
+      numbers.append(number)
   skipped = "; ".join(
       f"{len(at)} {reason} (first: line {at[0][0]}{': ' + at[0][1] if at[0][1] else ''})"
       for reason, at in sorted(skips.items(), key=lambda kv: -len(kv[1])))
@@ -229,9 +262,11 @@ def read_examples(path: str, key: str, d: Any, tokenizer: Any, seq_len: int
   lengths = np.array([len(x) for x in ids], np.int64)
   examples = Examples(np.concatenate(ids), np.concatenate(masks),
                       np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
-                      lengths, row_len, d.pack, path)
+                      lengths, row_len, d.pack, path, np.asarray(numbers, np.int64))
   line = (f"{path}: {len(ids)} examples, {int(lengths.sum())} tokens, "
           f"{int(examples.mask.sum())} trained"
+          + (f", {split} conversations split where the chat template renders an earlier "
+             "turn otherwise once later messages follow" if split else "")
           + (f", {truncated} truncated to {row_len} tokens" if truncated else "")
           + (f"; skipped {sum(map(len, skips.values()))}: {skipped}" if skips else ""))
   return examples, line
@@ -350,12 +385,16 @@ def load(d: Any, vocab_size: int, seq_len: int) -> tuple[Examples, Examples, lis
     lines.append(line)
   else:
     k = int(len(train) * d.eval_fraction)
+    cut = len(train) - k
+    while 0 < k < len(train) and 0 < cut and train.lines[cut] == train.lines[cut - 1]:
+      cut -= 1  # A split conversation's examples are held out together: they share turns.
+    k = len(train) - cut
     if not 0 < k < len(train):
       raise DataError(f"{len(train)} usable examples leave {k} for evaluation at "
                       f"data.eval_fraction={d.eval_fraction}", path=d.path, key="data.path",
                       fix="use more examples, a larger data.eval_fraction or a data.eval_path")
-    train, held_out = (train.subset(np.arange(len(train) - k)),
-                       train.subset(np.arange(len(train) - k, len(train))))
+    train, held_out = (train.subset(np.arange(cut)),
+                       train.subset(np.arange(cut, len(train))))
     lines.append(f"held out: the last {k} examples (data.eval_fraction={d.eval_fraction})")
   kind = "packed" if d.pack else "one example per row, padded"
   lines.append(f"rows of {seq_len + 1} tokens, {kind}; loss on "
