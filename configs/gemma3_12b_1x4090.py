@@ -22,12 +22,12 @@ at 40% MFU. Not run on a GPU yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "8b_1x4090.py")  # The recipe; Gemma 3 12B's text config follows.
-  c.model.family = "gemma3"  # Export writes Gemma3ForCausalLM.
+  # The recipe, Gemma 3's architecture (`zerojax.config.families`); the 12B's sizes.
+  c = family_preset(beside(__file__, "8b_1x4090.py"), "gemma3")
   c.model.vocab_size = 262208
   c.model.d_model = 3840
   c.model.d_ff = 15360
@@ -35,18 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.n_heads = 16
   c.model.n_kv_heads = 8
   c.model.head_size = 256  # Gemma 3's head_dim, not 3840 / 16 = 240.
-  c.model.qk_norm = True  # RMSNorm of each query and key head.
-  c.model.norm_offset = 1.0  # Norms times (1 + w).
-  c.model.scale_embeddings = True  # Embedding times sqrt(3840).
-  c.model.hidden_act = "gelu_tanh"  # GeGLU.
-  c.model.post_norms = True  # Norms on the attention and MLP outputs, and before the MLP.
   c.model.query_pre_attn_scalar = 256  # Scores times 256 ** -0.5.
-  c.model.sliding_window = 1024  # Local layers: the latest 1024 positions.
-  c.model.sliding_window_pattern = 6  # Every sixth layer global.
-  c.model.rope_theta = 1000000.0  # Global layers, with linear scaling by 8.
-  c.model.rope_scaling_factor = 8.0
+  c.model.rope_scaling_factor = 8.0  # Global layers' RoPE, linear scaling by 8 (4B-27B).
   c.model.rope_scaling_type = "linear"
-  c.model.rope_local_theta = 10000.0  # Local layers, unscaled.
-  c.model.norm_eps = 1e-6
-  c.model.tie_embeddings = True
   return c

@@ -14,24 +14,17 @@ sizes are not written yet). Hardware: any CPU (as tiny.py). Data: embedded.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "tiny.py")  # Shapes, data and schedule: the Llama quick start's.
-  c.model.family = "gemma3"  # Export writes Gemma3ForCausalLM (model_type gemma3_text).
+  # Shapes, data and schedule: the Llama quick start's; Gemma 3's architecture (norms
+  # times (1 + w), scaled embeddings, GeGLU, post-norms, q/k norms, local and global
+  # layers with their own RoPE bases, tied head: `zerojax.config.families`).
+  c = family_preset(beside(__file__, "tiny.py"), "gemma3")
   c.model.n_kv_heads = 1  # One key/value head, as Gemma 3 1B.
   c.model.head_size = 64  # Heads of 64, not d_model / n_heads = 32 (Gemma's head_dim).
-  c.model.qk_norm = True  # An RMSNorm of each query and key head, before RoPE.
-  c.model.norm_offset = 1.0  # Every norm multiplies by (1 + w), w initialised at 0.
-  c.model.scale_embeddings = True  # The embedding's output times sqrt(d_model).
-  c.model.hidden_act = "gelu_tanh"  # GeGLU: tanh-approximated GELU on the gate.
-  c.model.post_norms = True  # Norms on the attention and MLP outputs, and before the MLP.
   c.model.query_pre_attn_scalar = 64  # Scores times 64 ** -0.5 (Gemma 3: its head_dim).
   c.model.sliding_window = 32  # Local layers attend to the 32 latest positions.
   c.model.sliding_window_pattern = 2  # Layer i global when (i + 1) % 2 == 0.
-  c.model.rope_theta = 1000000.0  # Global layers' rotary base.
-  c.model.rope_local_theta = 10000.0  # Local layers' own base (unscaled).
-  c.model.norm_eps = 1e-6  # Gemma 3's rms_norm_eps.
-  c.model.tie_embeddings = True  # The head is the embedding, as in every Gemma 3.
   return c

@@ -20,12 +20,12 @@ against 2.85 s of compute at 40% MFU (bus-bound, 1.0x). Not run on a GPU yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "8b_1x4090.py")  # The recipe; Mistral-7B-v0.3's config.json follows.
-  c.model.family = "mistral"  # Export writes MistralForCausalLM.
+  # The recipe, Mistral's architecture (`zerojax.config.families`); Mistral-7B-v0.3's sizes.
+  c = family_preset(beside(__file__, "8b_1x4090.py"), "mistral")
   c.model.vocab_size = 32768
   c.model.d_model = 4096
   c.model.d_ff = 14336
@@ -33,7 +33,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.n_heads = 32
   c.model.n_kv_heads = 8
   c.model.rope_theta = 1000000.0
-  c.model.rope_scaling_factor = 0.0  # No Llama 3.1 scaling (the recipe's 8B has it).
-  c.model.norm_eps = 1e-5
-  c.model.tie_embeddings = False
   return c

@@ -21,14 +21,14 @@ on GPUs yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "70b_8x80gb.py")  # The recipe; Mistral-Small-24B's config.json follows.
+  # The recipe, Mistral's architecture (`zerojax.config.families`); Mistral-Small-24B's sizes.
+  c = family_preset(beside(__file__, "70b_8x80gb.py"), "mistral")
   c.mesh.fsdp = 4
   c.train.global_batch_size = 4  # One sequence per device.
-  c.model.family = "mistral"  # Export writes MistralForCausalLM.
   c.model.vocab_size = 131072
   c.model.d_model = 5120
   c.model.d_ff = 32768
@@ -37,7 +37,4 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.n_kv_heads = 8
   c.model.head_size = 128  # Its head_dim.
   c.model.rope_theta = 100000000.0
-  c.model.rope_scaling_factor = 0.0  # No Llama 3.1 scaling (the recipe's 70B has it).
-  c.model.norm_eps = 1e-5
-  c.model.tie_embeddings = False
   return c

@@ -15,12 +15,13 @@ tiny.py). Data: embedded, nothing downloaded.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "tiny.py")  # Shapes, data and schedule: the Llama quick start's.
-  c.model.family = "mistral"  # Export writes MistralForCausalLM (model_type mistral).
+  # Shapes, data and schedule: the Llama quick start's; Mistral's architecture
+  # (`zerojax.config.families`).
+  c = family_preset(beside(__file__, "tiny.py"), "mistral")
   c.model.sliding_window = 32  # Each position attends to the 32 latest (itself included).
   c.model.sliding_window_pattern = 0  # On every layer.
   c.model.rope_theta = 10000.0  # Mistral 7B's rotary base.

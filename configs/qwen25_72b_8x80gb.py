@@ -18,21 +18,17 @@ the planner's estimate 67.21 GiB (1.031). Not run on GPUs yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "70b_8x80gb.py")  # The recipe; Qwen2.5-72B's config.json follows.
-  c.model.family = "qwen2"  # Export writes Qwen2ForCausalLM.
+  # The recipe, Qwen2's architecture (`zerojax.config.families`); Qwen2.5-72B's sizes.
+  c = family_preset(beside(__file__, "70b_8x80gb.py"), "qwen2")
   c.model.vocab_size = 152064
   c.model.d_model = 8192
   c.model.d_ff = 29568
   c.model.n_layers = 80
   c.model.n_heads = 64
   c.model.n_kv_heads = 8
-  c.model.qkv_bias = True  # Qwen2's q, k, v biases.
-  c.model.rope_theta = 1000000.0
-  c.model.rope_scaling_factor = 0.0  # No Llama 3.1 scaling (the recipe's 70B has it).
-  c.model.norm_eps = 1e-6
   c.model.tie_embeddings = False
   return c

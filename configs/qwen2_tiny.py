@@ -11,14 +11,12 @@ are not written yet). Hardware: any CPU (as tiny.py). Data: embedded, nothing do
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "tiny.py")  # Shapes, data and schedule: the Llama quick start's.
-  c.model.family = "qwen2"  # Export writes Qwen2ForCausalLM (model_type qwen2).
-  c.model.qkv_bias = True  # q, k and v projections with biases (o_proj without).
-  c.model.rope_theta = 1000000.0  # Qwen2.5's rotary base.
-  c.model.norm_eps = 1e-6  # Qwen2.5's rms_norm_eps.
+  # Shapes, data and schedule: the Llama quick start's; Qwen2's architecture (q/k/v
+  # biases, RoPE base 1e6, eps 1e-6: `zerojax.config.families`).
+  c = family_preset(beside(__file__, "tiny.py"), "qwen2")
   c.model.tie_embeddings = True  # As Qwen2.5-0.5B to 3B (7B and up: untied).
   return c

@@ -18,14 +18,14 @@ is 91.5 GiB). Not run on GPUs yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "70b_8x80gb.py")  # The recipe; Qwen3-32B's config.json follows.
+  # The recipe, Qwen3's architecture (`zerojax.config.families`); Qwen3-32B's sizes.
+  c = family_preset(beside(__file__, "70b_8x80gb.py"), "qwen3")
   c.mesh.fsdp = 4
   c.train.global_batch_size = 4  # One sequence per device.
-  c.model.family = "qwen3"  # Export writes Qwen3ForCausalLM.
   c.model.vocab_size = 151936
   c.model.d_model = 5120
   c.model.d_ff = 25600
@@ -33,9 +33,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.n_heads = 64
   c.model.n_kv_heads = 8
   c.model.head_size = 128  # Qwen3's head_dim.
-  c.model.qk_norm = True  # RMSNorm of each query and key head.
-  c.model.rope_theta = 1000000.0
-  c.model.rope_scaling_factor = 0.0  # No Llama 3.1 scaling (the recipe's 70B has it).
-  c.model.norm_eps = 1e-6
   c.model.tie_embeddings = False
   return c

@@ -20,21 +20,17 @@ MFU (bus-bound, 1.0x). Not run on a GPU yet.
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "8b_1x4090.py")  # The recipe; Qwen3-8B's config.json follows.
-  c.model.family = "qwen3"  # Export writes Qwen3ForCausalLM.
+  # The recipe, Qwen3's architecture (`zerojax.config.families`); Qwen3-8B's sizes.
+  c = family_preset(beside(__file__, "8b_1x4090.py"), "qwen3")
   c.model.vocab_size = 151936
   c.model.d_model = 4096
   c.model.d_ff = 12288
   c.model.n_layers = 36
-  c.model.n_heads = 32
+  c.model.n_heads = 32  # Heads of 4096 / 32 = 128, Qwen3's head_dim: no head_size.
   c.model.n_kv_heads = 8
-  c.model.qk_norm = True  # RMSNorm of each query and key head (of 4096 / 32 = 128: no head_size).
-  c.model.rope_theta = 1000000.0
-  c.model.rope_scaling_factor = 0.0  # No Llama 3.1 scaling (the recipe's 8B has it).
-  c.model.norm_eps = 1e-6
   c.model.tie_embeddings = False
   return c

@@ -11,15 +11,13 @@ not written yet). Hardware: any CPU (as tiny.py). Data: embedded, nothing downlo
 
 import ml_collections
 
-from zerojax.config import beside
+from zerojax.config import beside, family_preset
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = beside(__file__, "tiny.py")  # Shapes, data and schedule: the Llama quick start's.
-  c.model.family = "qwen3"  # Export writes Qwen3ForCausalLM (model_type qwen3).
+  # Shapes, data and schedule: the Llama quick start's; Qwen3's architecture (q/k norms,
+  # RoPE base 1e6, eps 1e-6: `zerojax.config.families`).
+  c = family_preset(beside(__file__, "tiny.py"), "qwen3")
   c.model.head_size = 64  # Heads of 64, not d_model / n_heads = 32 (Qwen3's head_dim).
-  c.model.qk_norm = True  # An RMSNorm of each query and key head, before RoPE.
-  c.model.rope_theta = 1000000.0  # Qwen3's rotary base.
-  c.model.norm_eps = 1e-6  # Qwen3's rms_norm_eps.
   c.model.tie_embeddings = True  # As Qwen3-0.6B to 4B (8B and up: untied).
   return c

@@ -2,8 +2,9 @@
 
 The config room: `schema` (every key: default, type, choices, range, one line of help),
 `checks` (a config against the schema key by key; `ConfigError`), `rules` (the rules
-between keys and the mesh arithmetic), and here the loading (files, overrides, the
-command line). It imports the runtime and `zerojax.mesh` only.
+between keys and the mesh arithmetic), `families` (each Hugging Face family's architecture
+keys), and here the loading (files, overrides, the command line). It imports the runtime
+and `zerojax.mesh` only.
 
 A config is a Python file whose `get_config()` starts from the schema's defaults
 (`base_config()`, from `zerojax.config.schema`) and changes values. Command-line
@@ -43,12 +44,14 @@ from zerojax.config.checks import (
   type_name,
   unknown_key,
 )
+from zerojax.config.families import family_preset
 from zerojax.config.rules import resolve_mesh_shape, validate
 from zerojax.config.schema import base_config, describe
 from zerojax.runtime import exits
 
-__all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "load_config", "parse_argv",
-           "validate", "resolve_mesh_shape", "apply_override", "exit_on_config_error"]
+__all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "family_preset",
+           "load_config", "parse_argv", "validate", "resolve_mesh_shape", "apply_override",
+           "exit_on_config_error"]
 
 
 def _parse_value(text: str, kind: type, key: str, source: str) -> Any:
