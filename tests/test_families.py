@@ -315,12 +315,18 @@ def test_windowed_attention_is_the_dense_masked_reference(qkv, kernel):
       np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_auto_attention_takes_cudnn_only_for_heads_it_runs_on_every_gpu():
-  """cuDNN's fused kernel takes heads of 256 only from Hopper on (an RTX 4090: 128), so
-  'auto' gives Gemma 3's heads of 256 the blocked loop; 128 (Gemma 3 27B) keeps cuDNN."""
+def test_auto_attention_takes_cudnn_for_the_heads_the_gpu_runs_it_on():
+  """cuDNN's fused kernel takes heads of 256 only from Hopper (compute capability 9.0) on,
+  so 'auto' gives Gemma 3's heads of 256 cuDNN on an H100 / H200 and the blocked loop on
+  an RTX 4090 (8.9) or a GPU not known; 128 (Gemma 3 27B) keeps cuDNN everywhere. The
+  GPU-target compile: tests/test_gpu_targets.py."""
   pick = functools.partial(attention.attention_kernel, "auto", jnp.bfloat16, backend="gpu")
   assert pick(head_dim=128) == "dot_product" and pick(head_dim=256) == "blocked"
+  assert pick(head_dim=256, compute_capability=(9, 0)) == "dot_product"
+  assert pick(head_dim=256, compute_capability=(8, 9)) == "blocked"
+  assert pick(head_dim=512, compute_capability=(10, 0)) == "blocked"
   assert pick() == "dot_product"  # Unknown width: as before.
+  assert attention.attention_kernel("auto", jnp.bfloat16, head_dim=256) == "blocked"  # CPU.
 
 
 def test_windowed_ulysses_over_8_devices_is_the_reference(qkv):

@@ -262,3 +262,20 @@ def test_a_step_compiled_for_cpu_and_for_a_target_keeps_each_ones_kernels():
   assert "cudnn" not in cpu()
   assert "__cudnn$fmha" in gpu_compile.lower(built.train_step, args).as_text()
   assert "cudnn" not in cpu()
+
+
+def test_heads_of_256_take_cudnn_for_hopper_targets_only():
+  """Gemma 3's heads of 256 (1B-12B): cuDNN's kernel when the step is traced for an H100
+  or H200 (compute capability 9.0, which jax's cuDNN check is told while tracing for the
+  target: this machine has no GPU), the blocked loop for an RTX 4090 (8.9; a GPU not
+  known too: tests/test_families.py). The whole compile of configs/gemma3_12b_1x4090.py
+  for h100:1 and rtx4090:1: docs/design/hf.md."""
+  config = load_config(os.path.join(ROOT, "configs", "gemma3_tiny.py"),
+                       ["model.head_size=256", "model.query_pre_attn_scalar=256",
+                        "model.n_layers=2"], num_devices=8)  # A local and a global layer.
+  built = build.build(config)
+  args = (built.abstract_state, built.abstract_batch)
+  cudnn = {t: "__cudnn$fmha" in gpu_compile.lower(built.train_step, args,
+                                                  targets.parse(t)).as_text()
+           for t in ("h100:8", "rtx4090:8")}
+  assert cudnn == {"h100:8": True, "rtx4090:8": False}

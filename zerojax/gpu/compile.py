@@ -97,16 +97,17 @@ def _option(flag: str) -> tuple[str, Any]:
   return name, int(value) if value.isdigit() else value
 
 
-def lower(jitted, args: Sequence[Any]):
-  """`jitted(*args)` traced as for a GPU and lowered for CUDA (a `jax.stages.Lowered`).
+def lower(jitted, args: Sequence[Any], spec: TargetSpec | None = None):
+  """`jitted(*args)` traced as for a GPU (`spec`'s: its compute capability; None: a GPU
+  not known) and lowered for CUDA (a `jax.stages.Lowered`).
 
-  The choices `backend()` answers (cuDNN attention) are made while tracing, and JAX's
-  trace cache does not know them: a trace for the target neither reuses one made for
-  this process's CPU nor is reused by it.
+  The choices `backend()` and `compute_capability()` answer (cuDNN attention, its head
+  sizes) are made while tracing, and JAX's trace cache does not know them: a trace for
+  the target neither reuses one made for this process's CPU nor is reused by it.
   """
   jitted.clear_cache()
   try:
-    with targeting("gpu"):
+    with targeting("gpu", spec and spec.target.compute_capability):
       return jitted.trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     jitted.clear_cache()
@@ -133,7 +134,7 @@ def compile_jitted(jitted, args: Sequence[Any], mesh, spec: TargetSpec,
     raise ValueError(f"the mesh has {mesh.devices.size} devices, the target {spec.devices}")
   options = dict(options or {})
   start = time.perf_counter()
-  lowered = lower(jitted, args)
+  lowered = lower(jitted, args, spec)
   key = hashlib.sha256(f"{lowered.as_text()}{spec}{sorted(options.items())}{kernel_cache}"
                        .encode()).digest()
   if dump_to is None and key in _COMPILED:

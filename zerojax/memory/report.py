@@ -438,7 +438,9 @@ def generation_cache(config, devices: int, flag: str, error) -> dict | None:
 def for_target(spec):
   """The context a planner estimate for `spec` (None: this machine) runs in."""
 
-  return platform.targeting() if spec else contextlib.nullcontext()
+  # The target's compute capability: which head sizes cuDNN takes, as its compile traces.
+  return (platform.targeting("gpu", spec.target.compute_capability) if spec
+          else contextlib.nullcontext())
 
 
 def target_budget(config, target) -> tuple[int, float]:

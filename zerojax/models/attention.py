@@ -103,21 +103,29 @@ _attend_blocks = jax.custom_vjp(lambda *args: _attend_blocks_fwd(*args)[0], nond
 _attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
-# The widest heads cuDNN's fused attention takes on every GPU (jax's check: 256 from Hopper
-# on, 128 before, e.g. an RTX 4090): Gemma 3's heads of 256 run the blocked loop.
-CUDNN_HEAD_DIM = 128
+def cudnn_head_dim(compute_capability: tuple[int, int] | None) -> int:
+  """The widest heads cuDNN's fused attention takes on a GPU of `compute_capability` (jax's
+  check): 256 from Hopper (9.0) on, 128 before (an RTX 4090 is 8.9) and when not known."""
+  return 256 if compute_capability is not None and compute_capability >= (9, 0) else 128
 
 
 def attention_kernel(attention: str, dtype: Any, backend: str | None = None,
-                     head_dim: int | None = None) -> str:
-  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 with heads of
-  at most `CUDNN_HEAD_DIM` (None: not known, taken as such) (2-4x the blocked loop's MFU
-  on an H200, benchmarks/README.md), else the blocked loop (XLA's dot_product
-  materialises the T x T scores). Other names pass through."""
+                     head_dim: int | None = None,
+                     compute_capability: tuple[int, int] | None = None) -> str:
+  """The kernel 'auto' means: cuDNN's fused attention on a GPU in bf16/fp16 with heads it
+  takes there (`cudnn_head_dim`; a head_dim of None: not known, taken as fitting) (2-4x
+  the blocked loop's MFU on an H200, benchmarks/README.md), else the blocked loop (XLA's
+  dot_product materialises the T x T scores). Other names pass through.
+
+  `backend` None: the traced step's (`platform.backend()`), and then the GPU's
+  `platform.compute_capability()` unless `compute_capability` is given.
+  """
   if attention != "auto":
     return attention
   gpu = (backend or platform.backend()) == "gpu"
-  fits = head_dim is None or head_dim <= CUDNN_HEAD_DIM
+  if compute_capability is None and backend is None:
+    compute_capability = platform.compute_capability()
+  fits = head_dim is None or head_dim <= cudnn_head_dim(compute_capability)
   low = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
   return "dot_product" if gpu and low and fits else "blocked"
 

@@ -19,6 +19,11 @@ Each internal, what it is used for, and what happens without it:
   Without them: `UnsupportedJax` naming that file.
 - `jax._src.lib.cuda_versions`: the CUDA plugin's cuDNN and runtime versions for a GPU
   target. Without it: the target config without them (XLA's defaults).
+- `jax._src.cudnn.fused_attention_stablehlo.check_compute_capability` and
+  `.is_cuda_compute_capability_equal`: jax's cuDNN attention asks them (of this
+  machine's GPU) whether heads of 256 are allowed; while a step is traced for a GPU target
+  (`cudnn_checks_for`) they answer for the target's compute capability. Without them: the
+  trace is told the capability is not known, so heads of 256 take the blocked loop.
 - `jax.typeof(x).manual_axis_type.varying` (jax 0.10; `.vma` before): the mesh axes a
   value varies over inside a `shard_map` that checks replication, for a custom vjp that
   must sum a gradient over the others (`models.moe.tile_matmul`). Without either: no
@@ -33,6 +38,7 @@ memory space inside `jit` (offload), `jax.nn.dot_product_attention(implementatio
 installed XLA which forms it knows).
 """
 
+import contextlib
 import sys
 
 import jax
@@ -71,3 +77,33 @@ def cluster_types() -> list:
     return list(clusters.ClusterEnv._cluster_types)  # noqa: SLF001
   except (ImportError, AttributeError):
     return []
+
+
+_CAPABILITY_CHECKS = ("check_compute_capability", "is_cuda_compute_capability_equal")
+
+
+@contextlib.contextmanager
+def cudnn_checks_for(capability: tuple[int, int] | None):
+  """jax's cuDNN attention checks answer for a GPU of `capability` inside (they read this
+  machine's GPU, which a GPU-target compile does not have). Yields the capability they
+  answer for: `capability`, or None when it is None or the checks are not where they were
+  (then jax's own checks run, which allow heads of at most 128 without a Hopper here)."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as checks  # noqa: PLC0415  guarded internal
+  except ImportError:
+    checks = None
+  if capability is None or not all(callable(getattr(checks, n, None)) for n in _CAPABILITY_CHECKS):
+    yield None
+    return
+
+  def parse(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+  saved = {n: getattr(checks, n) for n in _CAPABILITY_CHECKS}
+  checks.check_compute_capability = lambda at_least: tuple(capability) >= parse(at_least)
+  checks.is_cuda_compute_capability_equal = lambda equal: tuple(capability) == parse(equal)
+  try:
+    yield capability
+  finally:
+    for name, check in saved.items():
+      setattr(checks, name, check)
