@@ -21,6 +21,7 @@ import pytest
 
 from zerojax.config import base_config
 from zerojax.data import chat, sft
+from zerojax.hf import export
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -257,3 +258,26 @@ def test_a_split_conversation_is_held_out_whole(tmp_path):
   assert set(train.lines.tolist()).isdisjoint(held_out.lines.tolist())
   assert np.array_equal(held_out.lines, [9, 9, 10, 10])
   assert "held out: the last 4 examples" in lines[1]
+
+
+def test_answers_end_at_each_family_end_of_turn_and_export_lists_it(tmp_path):
+  """What generation stops at (`sft.turn_end_ids`) is the template's EOS and the special
+  token its turns end with: Gemma 3's `<end_of_turn>`, which is not its `<eos>` (a Gemma
+  3 fine-tune would otherwise answer past its turn); ChatML's `<|im_end|>`; Mistral's
+  `</s>`. The export's generation_config.json lists them."""
+  ends = {}
+  for family in FAMILIES:
+    path = family_folder(tmp_path / family, family)
+    tokenizer = tokenizers.Tokenizer.from_file(path)
+    ends[family] = {tokenizer.id_to_token(i) for i in sft.turn_end_ids(tokenizer, path)}
+  assert ends == {"qwen25": {"<|im_end|>"}, "qwen3": {"<|im_end|>"}, "mistral": {"</s>"},
+                  "gemma3": {"<eos>", "<end_of_turn>"}}
+  out = tmp_path / "export"
+  out.mkdir()
+  (out / "config.json").write_text("{}")
+  d = base_config().data
+  d.update(name="sft", tokenizer=str(tmp_path / "gemma3" / "tokenizer.json"))
+  export.export_tokenizer(d, 97, str(out))
+  written = json.loads((out / "generation_config.json").read_text())
+  assert written["bos_token_id"] == len(CHARS) and written["eos_token_id"] == [
+      len(CHARS) + 1, len(CHARS) + 3]  # <bos>, <eos>, <start_of_turn>, <end_of_turn>.

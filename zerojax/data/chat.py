@@ -164,6 +164,23 @@ def render(template: ChatTemplate, messages: list[dict], add_generation_prompt: 
     raise RenderError(f"{type(e).__name__}: {e}") from None
 
 
+def turn_end(template: ChatTemplate) -> str:
+  """What the template writes after an assistant's content to close the turn (Llama 3's
+  `<|eot_id|>`, ChatML's `<|im_end|>\n`, Gemma 3's `<end_of_turn>\n`, Mistral's `</s>`):
+  the trained text a model ends its answer with. '' when the template does not render a
+  one-turn conversation."""
+  probe = "zerojax-probe"  # Content no template rewrites (trim, reasoning split).
+  try:
+    examples = assistant_examples(template, [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": probe}])
+  except (RenderError, TemplateError):
+    return ""
+  text, spans = examples[-1]
+  start, end = spans[-1]
+  at = text.rfind(probe, start, end)
+  return text[at + len(probe):end] if at >= 0 else ""
+
+
 def assistant_examples(template: ChatTemplate, messages: list[dict]
                        ) -> list[tuple[str, list[tuple[int, int]]]]:
   """The conversation as examples: [(text, character spans [start, end) of its assistant

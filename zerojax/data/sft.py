@@ -171,6 +171,24 @@ def _fit(example: list[int], mask: list[bool], d: Any, row_len: int
   return example, mask, cut
 
 
+def turn_end_ids(tokenizer: Any, tokenizer_path: str) -> set[int]:
+  """The ids that end an assistant's answer under the chat template beside the tokenizer
+  (`_template`): its `eos_token`, and the special token its turns end with
+  (`chat.turn_end`: Gemma 3's `<end_of_turn>`, which is not its EOS; ChatML's
+  `<|im_end|>`; Llama 3's `<|eot_id|>`). What generation stops at and export writes.
+
+  Raises:
+    DataError: jinja2 is missing, or the template does not parse.
+  """
+  from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
+  template = _template(tokenizer_path)
+  ids = {tokenizer.token_to_id(template.tokens.get("eos_token") or "")}
+  end = tokenizer.encode(chat.turn_end(template), add_special_tokens=False).ids
+  if end and end[0] in tokenizer.get_added_tokens_decoder():  # A special token, not text.
+    ids.add(end[0])
+  return ids - {None}
+
+
 def _template(tokenizer_path: str) -> Any:
   """`chat.load_template`, its problems as DataErrors (jinja2 missing, a bad template)."""
   try:

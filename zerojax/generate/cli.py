@@ -52,8 +52,8 @@ def encode_prompt(d: Any, tokenizer: Any, prompt: str, as_chat: bool) -> tuple[l
   """A prompt's ids as training saw them (data section `d`) and the ids that end an answer.
 
   Plain: [BOS] (data.add_bos) + the prompt, ended by the EOS. Chat: one user turn rendered
-  with the chat template and its generation prompt, ended by EOS or the template's
-  eos_token (Llama 3's <|eot_id|>).
+  with the chat template and its generation prompt, ended by EOS or the template's end
+  of turn (`sft.turn_end_ids`: Llama 3's <|eot_id|>, Gemma 3's <end_of_turn>).
   """
   stops = {data.eos_token_id(tokenizer, d.tokenizer, d.eos_id)}
   if as_chat:
@@ -61,8 +61,8 @@ def encode_prompt(d: Any, tokenizer: Any, prompt: str, as_chat: bool) -> tuple[l
     from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
     text = chat.render(template, [{"role": "user", "content": prompt}],
                        add_generation_prompt=True)
-    stops.add(tokenizer.token_to_id(template.tokens.get("eos_token", "")))
-    return tokenizer.encode(text, add_special_tokens=False).ids, stops - {None}
+    return (tokenizer.encode(text, add_special_tokens=False).ids,
+            stops | sft.turn_end_ids(tokenizer, d.tokenizer))
   head = [sft.bos_token_id(tokenizer, d.tokenizer)] if d.add_bos else []
   return head + tokenizer.encode(prompt, add_special_tokens=False).ids, stops
 
@@ -98,8 +98,7 @@ def _from_workdir(args) -> tuple[Any, Any, Any, Any, Any, set]:
   tokenizer = data.load_tokenizer(d.tokenizer, config.model.vocab_size)
   ends = {data.eos_token_id(tokenizer, d.tokenizer, d.eos_id)}
   with contextlib.suppress(data.DataError):  # No template: only the EOS, as export writes.
-    ends.add(sft._template(d.tokenizer).tokens.get("eos_token"))
-  ends = {tokenizer.token_to_id(t) if isinstance(t, str) else t for t in ends} - {None}
+    ends |= sft.turn_end_ids(tokenizer, d.tokenizer)
   return built.model, built.plan, state.params, d, tokenizer, ends
 
 

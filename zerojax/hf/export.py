@@ -12,6 +12,7 @@ usable checkpoint or a model that is not a Llama.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -97,7 +98,7 @@ def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
   writes one naming the BOS and EOS and, when the vocabulary has Llama 3's header
   tokens, the chat template the run trained with (`chat.LLAMA3_TEMPLATE`). Writes
   generation_config.json and adds bos_token_id / eos_token_id to config.json; the end
-  ids are the EOS and, for chat, the template's end of turn.
+  ids are the EOS and, for chat, the template's end of turn (`sft.turn_end_ids`).
 
   Returns:
     The file names written.
@@ -116,6 +117,8 @@ def export_tokenizer(d: Any, vocab_size: int, out: str) -> list[str]:
     with open(side, encoding="utf-8") as f:
       end = data.token_text(json.load(f).get("eos_token"))
     ends.append(tokenizer.token_to_id(end) if end else None)
+    with contextlib.suppress(data.DataError):  # A bad template: the EOS only, as training.
+      ends += sorted(sft.turn_end_ids(tokenizer, d.tokenizer))
   else:
     from zerojax.data import chat  # noqa: PLC0415  optional: jinja2 (the text extra)
     text = lambda i: None if i is None else tokenizer.id_to_token(i)
