@@ -5,6 +5,7 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -221,17 +222,21 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
 def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
   """2k steps straight == k steps, stop (as on SIGTERM), a new run, k more steps.
 
-  The quick start's runs are processes (the resume is a new process: nothing carried in
-  memory); the smaller cases' are `train.main` calls in this process (what differs is
-  the stage, the mesh and the data, not the process boundary).
+  The quick start's runs are processes: its resume is a new process (nothing carried in
+  memory) from the straight run's periodic checkpoint of step 8, copied to a new workdir
+  (as after a crash: the last periodic save). The smaller cases' runs are `train.main`
+  calls in this process (what differs is the stage, the mesh and the data, not the
+  process boundary); they stop after step k with --stop_after (a stop's own save) and
+  carry the TensorBoard (and W&B) checks of a stopped and resumed workdir.
 
   The straight run's header names its devices, mesh and stage, its losses are finite;
   the quick start's (stage3-fsdp8) loss and held-out loss fall by a nat in the 20 steps.
 
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
   schedule resumes too) and bit-identical checkpoints of the whole state (params, Adam
-  moments, Kahan buffers, step, rng, loss scale), read back from disk. TensorBoard (and,
-  with the wandb extra, W&B offline) has every scalar of metrics.jsonl at its step, once.
+  moments, Kahan buffers, step, rng, loss scale), read back from disk. A stopped and
+  resumed workdir's TensorBoard (and, with the wandb extra, W&B offline, in the stage-2
+  case) has every scalar of metrics.jsonl at its step, once.
   """
   k = 10
   extra = ()
@@ -243,12 +248,15 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
             "--config.train.log_every=1", f"--config.train.eval_every={k}",
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
             "--config.train.peak_flops=1e12")  # An MFU on CPU too.
-  if HAS_WANDB and stage == 3 and config == TINY:  # One case: W&B adds seconds a run.
+  quick_start = config == TINY and not shape
+  if quick_start:  # Keep every periodic save: the resume starts from step 8's.
+    common += ("--config.checkpoint.keep=0",)
+  if HAS_WANDB and stage == 2:  # One case: W&B adds seconds a run.
     common += ("--config.logging.wandb.project=zerojax-test",
                "--config.logging.wandb.mode=offline")
   env = train_env()
-  if config == TINY and not shape:  # As shipped, in processes: XLA's own code generation,
-    # not the tests' quicker compile (conftest.FAST_COMPILE), which runs 40 steps slower.
+  if quick_start:  # As shipped, in processes: XLA's own code generation,
+    # not the tests' quicker compile (conftest.FAST_COMPILE), which runs 30 steps slower.
     env["XLA_FLAGS"] = " ".join(f for f in env["XLA_FLAGS"].split() if f not in FAST_COMPILE)
     run = lambda *args: run_train(*args, env=env)  # noqa: E731
   else:
@@ -263,35 +271,45 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
                             else {"data": 2, "expert": 1, "fsdp": 4})
   losses = [r["loss"] for r in records if "loss" in r]
   assert all(np.isfinite(losses)) and np.isfinite(records[-1]["final_train_loss"]), losses
-  if config == TINY and not shape:  # The quick start learns: the loss and held-out loss fall.
+  if quick_start:  # The quick start learns: the loss and held-out loss fall.
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
     assert len(evals) == 3 and evals[-1] < evals[0] - 1.0, evals
     assert records[-1]["final_eval_loss"] == evals[-1]
     # The printed lines carry the same numbers.
     assert f"loss {losses[-1]:.4f}" in first.stdout and "final eval loss" in first.stdout
-  # --stop_after: what train.py does on SIGTERM after that step (save, exit 75), but at a
-  # known step; train.steps, and so the schedule, stay those of the straight run.
-  stopped = run(*common, f"--stop_after={k}", f"--workdir={resumed}")
-  assert stopped.returncode == exits.STOPPED, stopped.stderr[-2000:]
-  assert f"stopped by --stop_after after step {k}: saved" in stopped.stdout
-  assert [r["step"] for r in step_records(resumed)] == list(range(1, k + 1))
+  if quick_start:  # The straight run's periodic save of step 8, as a crash leaves it.
+    start = 8
+    shutil.copytree(straight / "checkpoints" / str(start), resumed / "checkpoints" / str(start))
+  else:
+    # --stop_after: what train.py does on SIGTERM after that step (save, exit 75), but at
+    # a known step; train.steps, and so the schedule, stay those of the straight run.
+    start = k
+    stopped = run(*common, f"--stop_after={k}", f"--workdir={resumed}")
+    assert stopped.returncode == exits.STOPPED, stopped.stderr[-2000:]
+    assert f"stopped by --stop_after after step {k}: saved" in stopped.stdout
+    assert [r["step"] for r in step_records(resumed)] == list(range(1, k + 1))
   again = run(*common, f"--workdir={resumed}")
   assert again.returncode == 0, again.stderr[-2000:]
-  assert f"resumed from {resumed}/checkpoints/{k}\n" in again.stdout
+  assert f"resumed from {resumed}/checkpoints/{start}\n" in again.stdout
 
   timing = ("tokens_per_s", "eta_s", "mfu")
   a, b = ([{x: v for x, v in r.items() if x not in timing} for r in step_records(w)]
           for w in (straight, resumed))
-  assert [r["step"] for r in b] == list(range(1, 2 * k + 1))  # No step twice, none lost.
-  assert a == b
-  check_writers(resumed, k, wandb="--config.logging.wandb.mode=offline" in common)
-  lr = [r["learning_rate"] for r in b]  # Up for 4 steps, then down: resumed mid-cosine.
+  first = 1 if start == k else start + 1  # The copied checkpoint brought no metrics.
+  assert [r["step"] for r in b] == list(range(first, 2 * k + 1))  # No step twice, none lost.
+  assert a[first - 1:] == b
+  if not quick_start:
+    check_writers(resumed, k, wandb="--config.logging.wandb.mode=offline" in common)
+  lr = [r["learning_rate"] for r in a]  # Up for 4 steps, then down: resumed mid-cosine.
   assert lr[:5] == sorted(lr[:5]) and lr[4:] == sorted(lr[4:], reverse=True) and lr[-1] < lr[4]
-  # Checkpoints of both workdirs (every 4 steps, keep 3; the stopped run added step k).
+  # Checkpoints of both workdirs (every 4 steps, keep 3, or all for the quick start; the
+  # stopped run added step k).
   dirs = [w / "checkpoints" for w in (straight, resumed)]
-  assert sorted(os.listdir(dirs[0]), key=int) == sorted(os.listdir(dirs[1]), key=int) == [
-      "12", "16", "20"]
+  kept = ["4", "8", "12", "16", "20"] if quick_start else ["12", "16", "20"]
+  assert sorted(os.listdir(dirs[0]), key=int) == kept
+  resumed_kept = kept[kept.index(str(start)):] if quick_start else kept
+  assert sorted(os.listdir(dirs[1]), key=int) == resumed_kept
   for step in ("12", "16", "20"):
     x, y = checkpoint_leaves(dirs[0] / step), checkpoint_leaves(dirs[1] / step)
     assert x.keys() == y.keys()
