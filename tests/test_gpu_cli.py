@@ -232,6 +232,11 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
            f"{bus['compute_seconds']:.2f} s",
            re.search(r"(\d+%) of their bytes", schedule.overlap_line(out.hlo)).group(1)]
   assert found == row
+  # The planner's PCIe bytes against the compiled module's host copies (each times its
+  # loops' trip counts): what leaves the device exactly; what arrives within 3% (each
+  # streaming loop's first layer is read once more: before the loop, and by its trips).
+  h2d, d2h = schedule.host_traffic(out.hlo)
+  assert bus["d2h"] == d2h and 0.97 < bus["h2d"] / h2d <= 1, (bus, h2d, d2h)
   state = zerojax.abstract_state(built.plan)
   host = sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape))
              for x in jax.tree.leaves((state.params, state.opt_state))

@@ -202,6 +202,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     # XLA:CPU moves nothing between host and device: only a GPU's schedule has copies.
     text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]
+  if text:  # The host copies the module makes a step, beside the planner's below.
+    mem = memory_report.with_traffic(mem, text)
   mesh, plan = built.mesh, built.plan
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
   shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
@@ -241,6 +243,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
       memory_report.format_table(estimate, mem, title=path, gpu=bool(spec)),
       spec and memory_report.format_target_verdict(spec, where, where[0], dict(
           mem, seconds=time.perf_counter() - start)),
+      memory_report.traffic_line(mem, estimate),
       memory_report.format_suggestions(estimate, found)])), memory_estimate=estimate.total)
   # CPU devices' memory and host memory are one.
   total += mem["host_arguments"] + mem.get("host_temporaries", 0)

@@ -61,6 +61,7 @@ from zerojax.run import metrics
 from zerojax.runtime import platform, xla_dump
 from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
 from zerojax.runtime.units import fmt_bytes, parse_bytes
+from zerojax.streaming import schedule
 
 
 def _count(n: int) -> str:
@@ -385,6 +386,8 @@ def _main(argv: list[str]) -> int:
                        gpu=bool(spec), link=link))
     if spec:
       print(format_target_verdict(spec, where, device_memory, compiled))
+      if compiled and (moved := traffic_line(compiled, e)):
+        print(moved)
     elif compiled:
       print(f"(compiled in {compiled['seconds']:.1f} s on {args.devices} fake CPU devices)")
     if generation:
@@ -458,7 +461,8 @@ def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
   try:
     built = build.build(config)
     if spec:
-      compiled = gpu_compile.compile_step(built, config, spec, dump_to=dump).memory
+      out = gpu_compile.compile_step(built, config, spec, dump_to=dump)
+      compiled = with_traffic(out.memory, out.hlo)
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
     return compiled, attribute(e.setup, xla_dump.live_at_peak(dump),
@@ -489,6 +493,28 @@ def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
         f"({'headroom' if total <= device_memory else 'short by'} "
         f"{fmt_bytes(abs(device_memory - total))})")
   return "\n".join(lines)
+
+
+def traffic_line(compiled: dict, e: Estimate) -> str:
+  """The compiled step's host copies per device and step (host_h2d / host_d2h of a GPU
+  compile: `with_traffic`) beside the planner's PCIe bytes for `e` (`bus.traffic`); ''
+  where the step moves nothing."""
+  moved = compiled.get("host_h2d", 0.0), compiled.get("host_d2h", 0.0)
+  if not any(moved):
+    return ""
+  planned = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
+  gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+  ratio = lambda i: f"{planned[i] / moved[i]:.3f}" if moved[i] else "-"  # noqa: E731
+  return (f"host copies in the compiled step: {gb(moved[0])} in, {gb(moved[1])} out per "
+          f"device (each copy x its loops' trip counts); the planner's PCIe / compiled: "
+          f"{ratio(0)} in, {ratio(1)} out")
+
+
+def with_traffic(memory: dict, hlo_text: str) -> dict:
+  """`memory` (a compile's bytes) with the host copies its module makes a run
+  (`streaming.schedule.host_traffic`) as host_h2d / host_d2h."""
+  h2d, d2h = schedule.host_traffic(hlo_text)
+  return dict(memory, host_h2d=h2d, host_d2h=d2h)
 
 
 def host_parts(compiled: dict) -> str:

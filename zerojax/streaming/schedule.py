@@ -18,6 +18,8 @@ Shape = tuple[str, tuple[int, ...]]  # (dtype, dims), e.g. ('bf16', (64, 128)).
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _TYPE = re.compile(r"\b(pred|[a-z]+\d+\w*)\[([\d,]*)\]")
+# An operand's type in a start's operand tuple: dtype, dims and its layout (memory space).
+_OPERAND = re.compile(r"\b(pred|[a-z]+\d+\w*)\[([\d,]*)\](\{[^}]*\})?")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
@@ -33,26 +35,35 @@ class HostMove(NamedTuple):
     shape: (dtype, dims) of what arrives.
     overlaps: the compute scheduled between start and done: matmul fusions, custom calls
       (cuDNN attention) and collectives, by instruction name.
+    nbytes: the bytes one execution moves: what arrives on the device, or what leaves it
+      (a write into a host stack moves its update, not the stack).
   """
   name: str
   computation: str
   to_host: bool
   shape: Shape
   overlaps: tuple[str, ...]
+  nbytes: int = 0
 
 
-def _arriving(hlo_type: str) -> str:
-  """The arriving value's type in an async start's tuple type: a copy-start's first
-  element (destination, source, context), or an async fusion's result after its
-  operand tuple ((operands...), result, context)."""
+def _split_start(hlo_type: str) -> tuple[str, str]:
+  """(operand types, the rest starting with the arriving value's type) of an async
+  start's tuple type: an async fusion's ((operands...), result, context), or a
+  copy-start's (destination, source, context), whose operands are not listed ('')."""
   inner = hlo_type.strip()[1:]
   if inner.startswith("("):
     depth = 0
     for i, ch in enumerate(inner):
       depth += {"(": 1, ")": -1}.get(ch, 0)
       if depth == 0:
-        return inner[i + 1:]
-  return inner
+        return inner[1:i], inner[i + 1:]
+  return "", inner
+
+
+def _nbytes(dtype: str, dims: str | tuple[int, ...]) -> int:
+  if isinstance(dims, str):
+    dims = tuple(int(d) for d in dims.split(",") if d)
+  return _BYTES.get(dtype, 4) * math.prod(dims)
 
 
 def host_moves(hlo_text: str) -> list[HostMove]:
@@ -68,13 +79,17 @@ def host_moves(hlo_text: str) -> list[HostMove]:
       continue
     name, hlo_type, op, rest = inst.groups()
     if op in ("copy-start", "fusion-start") and "S(5)" in hlo_type:
-      arriving = _arriving(re.sub(r"/\*.*?\*/", "", hlo_type))
+      operands, arriving = _split_start(re.sub(r"/\*.*?\*/", "", hlo_type))
       first = _TYPE.search(arriving)
       layout = re.search(r"\]\{([^}]*)\}", arriving)
+      to_host = bool(layout and "S(5)" in layout.group(1))
+      shape = (first.group(1), tuple(int(d) for d in first.group(2).split(",") if d))
+      moved = _nbytes(*shape)
+      if to_host and operands:  # What leaves the device: its operands not in host memory.
+        moved = sum(_nbytes(dtype, dims) for dtype, dims, where in _OPERAND.findall(operands)
+                    if dims and "S(5)" not in where)
       open_[name] = (len(moves), [])
-      moves.append([name, comp, bool(layout and "S(5)" in layout.group(1)),
-                    (first.group(1), tuple(int(d) for d in first.group(2).split(",") if d)),
-                    ()])
+      moves.append([name, comp, to_host, shape, (), moved])
       continue
     if op in ("copy-done", "fusion-done"):
       operand = re.findall(r"%?([\w.\-]+)", rest.split(")")[0])
@@ -88,6 +103,49 @@ def host_moves(hlo_text: str) -> list[HostMove]:
   return [HostMove(*m) for m in moves]
 
 
+def executions(hlo_text: str) -> dict[str, float]:
+  """Computation name -> how many times one run of the module's entry runs it: a while
+  loop's body its known trip count times its caller's, any other called computation
+  (fusions, calls, a conditional's branches: at most) its caller's; NaN below a loop
+  whose trip count XLA does not know."""
+  callers, comp, entry = {}, "", ""
+  for line in hlo_text.splitlines():
+    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
+      comp = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
+      entry = comp if line.startswith("ENTRY") else entry
+      continue
+    if " while(" in line and (body := re.search(r"\bbody=%?([\w.\-]+)", line)):
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      callers.setdefault(body.group(1), []).append((comp, int(trips.group(1)) if trips
+                                                     else math.nan))
+    for group in re.findall(r"\b(?:calls|to_apply|condition|true_computation|"
+                            r"false_computation)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}",
+                            line):
+      for callee in re.findall(r"[\w.\-]+", " ".join(group)):
+        callers.setdefault(callee, []).append((comp, 1))
+  counts = {entry: 1.0}
+
+  def count(name: str) -> float:
+    if name not in counts:
+      counts[name] = 0.0  # A cycle (none in HLO) would count once.
+      counts[name] = sum(n * count(caller) for caller, n in callers.get(name, ()))
+    return counts[name]
+
+  return {name: count(name) for name in {entry, *callers}}
+
+
+def host_traffic(hlo_text: str) -> tuple[float, float]:
+  """(host-to-device, device-to-host) bytes one run of a scheduled module moves: each
+  host move's bytes times the runs of the computation it sits in (`executions`); NaN
+  where a loop's trip count is unknown. What the planner's PCIe figures
+  (`zerojax.memory.bus.traffic`) count, read from the compiled module."""
+  runs = executions(hlo_text)
+  totals = [0.0, 0.0]
+  for move in host_moves(hlo_text):
+    totals[move.to_host] += move.nbytes * runs.get(move.computation, math.nan)
+  return totals[0], totals[1]
+
+
 def overlap_line(hlo_text: str) -> str | None:
   """One line on the layer loops' copies to the device: how many a loop body holds and
   the share of their bytes with compute scheduled under them (None: no host copies).
@@ -99,8 +157,7 @@ def overlap_line(hlo_text: str) -> str | None:
            and not m.computation.startswith("main")]
   if not reads:
     return None
-  size = lambda m: _BYTES.get(m.shape[0], 4) * math.prod(m.shape[1])
-  hidden = sum(size(m) for m in reads if m.overlaps) / sum(size(m) for m in reads)
+  hidden = sum(m.nbytes for m in reads if m.overlaps) / sum(m.nbytes for m in reads)
   loops = len({m.computation for m in reads})
   return (f"host copies in the layer loops: {len(reads)} to the device in {loops} loop "
           f"bod{'y' if loops == 1 else 'ies'}, {hidden:.0%} of their bytes with compute "
