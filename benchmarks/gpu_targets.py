@@ -64,8 +64,9 @@ def measure(label, name, overrides, target, cpu):
   from zerojax import build, memory
   from zerojax.config import load_config
   from zerojax.gpu import compile as gpu_compile, targets
-  from zerojax.memory import report as memory_report
+  from zerojax.memory import bus, report as memory_report
   from zerojax.runtime import platform
+  from zerojax.streaming import schedule
 
   spec = targets.parse(target)
   config = load_config(os.path.join(ROOT, "configs", f"{name}.py"), list(overrides),
@@ -75,13 +76,17 @@ def measure(label, name, overrides, target, cpu):
     e = memory.estimate(config, spec.devices, budget)
   built = build.build(config, jax.devices()[:spec.devices])
   start = time.perf_counter()
-  out = gpu_compile.compile_step(built, config, spec).memory
+  compiled = gpu_compile.compile_step(built, config, spec)
+  out = compiled.memory
+  moved = schedule.host_traffic(compiled.hlo)  # The module's host copies a step.
+  planned = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
   row = dict(label=label, config=f"configs/{name}.py", overrides=list(overrides),
              target=str(spec), device_kind=spec.target.device_kind, budget=budget,
              memory_fraction=fraction, planner=e.total, planner_host=e.host_total,
              gpu=out["arguments"] + out["temporaries"], gpu_arguments=out["arguments"],
              gpu_temporaries=out["temporaries"], gpu_host=out["host_arguments"],
              gpu_host_temporaries=out["host_temporaries"],
+             gpu_h2d=moved[0], gpu_d2h=moved[1], planner_h2d=planned[0], planner_d2h=planned[1],
              gpu_seconds=time.perf_counter() - start)
   row["fits"] = row["gpu"] <= budget
   row["planner_over_gpu"] = row["planner"] / row["gpu"]

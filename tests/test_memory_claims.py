@@ -15,7 +15,7 @@ import pytest
 from zerojax import memory
 from zerojax.config import load_config
 from zerojax.gpu import targets
-from zerojax.memory import report as memory_report
+from zerojax.memory import bus, report as memory_report
 from zerojax.runtime import platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +125,10 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
   compiled host buffers (state + saved inputs); its device bytes within 5% at 8 shards
   and on the H100, 1.064 and 1.080 over on the 4090 and the H200 (its layer loop counts
-  every state buffer of two layers in flight, and two copies of the head)."""
+  every state buffer of two layers in flight, and two copies of the head). The planner's
+  PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host copies
+  times its loops' trip counts (`streaming.schedule.host_traffic`): out to the byte, in
+  within 2% (each streaming loop reads its first layer once more, before the loop)."""
   rows = {label[len("largest: configs/"):-3]: r for label, r in recorded().items()
           if label.startswith("largest: ")}
   assert sorted(rows) == ["405b_1xh200", "405b_8xh200", "70b_1x4090", "70b_1xh100"]
@@ -137,6 +140,9 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
     assert abs(e.host_total / compiled_host - 1) < 0.01, name
     assert 0.95 < r["planner"] / r["gpu"] < (1.05 if name in ("405b_8xh200", "70b_1xh100")
                                               else 1.09), name
+    pcie = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
+    assert pcie == [r["planner_h2d"], r["planner_d2h"]], name
+    assert pcie[1] == r["gpu_d2h"] and 0.98 < pcie[0] / r["gpu_h2d"] <= 1, name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
   assert stated(rows["405b_8xh200"]["gpu"], "120.52 GiB") == "120.52 GiB"
