@@ -118,4 +118,7 @@ def pytest_runtest_protocol(item, nextitem):
   yield
   with open(path, "a") as f:
     f.write(json.dumps({"test": item.nodeid, "cpu_s": round(cpu() - start, 2),
-                        "wall_s": round(time.perf_counter() - wall, 2)}) + "\n")
+                        "wall_s": round(time.perf_counter() - wall, 2),
+                        # When it ended and where: the workers' timelines (idle tails).
+                        "end": round(time.time(), 1),
+                        "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
