@@ -106,18 +106,80 @@ def _norm(config: "LlamaConfig", name: str, axis: str = "embed") -> RMSNorm:
 # ------------------------------------------------------------------------ the model
 
 
-_dot_f32 = functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32)
+def _matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+  """x [..., I] @ w [I, O] -> [..., O] in `out_dtype` (None: the inputs' dtype)."""
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                             preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def cast_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: Any,
+                out_dtype: Any = None) -> jax.Array:
+  """x @ w.astype(dtype) (+ b): x [..., I] (`dtype`), w [I, O], b [O] or None, any
+  float dtype -> [..., O] in `out_dtype` (None: `dtype`).
+
+  The weight is cast to the compute dtype here, inside the vjp, so the weight's (and
+  bias's) gradient is emitted in the weight's own dtype by the matmul itself
+  (`preferred_element_type`; the bias's summed in fp32): given fp32 weights (the
+  step's `upcast_params`: fp32 holding bf16 values), a layer's local weight gradient
+  is never rounded to bf16 before its fp32 reduction. JAX's own transpose emits it in
+  the dtype the weight had at the matmul, bf16. Given bf16 weights it is JAX's.
+  The input's gradient is JAX's own, in x's dtype.
+  """
+  return _cast_matmul_fwd(x, w, b, dtype, out_dtype)[0]
+
+
+def _cast_matmul_fwd(x, w, b, dtype, out_dtype):
+  y = _matmul(x, w.astype(dtype), out_dtype)
+  if b is not None:
+    y = y + b.astype(y.dtype)
+  # The weight is saved in `dtype` (as JAX's own matmul would), its dtypes as zero-size
+  # arrays: no fp32 copy of a weight is kept for the backward pass.
+  like = (jnp.zeros((0,), w.dtype), None if b is None else jnp.zeros((0,), b.dtype))
+  return y, (x, w.astype(dtype), like)
+
+
+def _cast_matmul_bwd(dtype, out_dtype, residuals, dy):
+  x, w, (w_like, b_like) = residuals
+  _, vjp = jax.vjp(lambda x: _matmul(x, w, out_dtype), x)
+  (dx,) = vjp(dy)
+  batch = tuple(range(x.ndim - 1))
+  # In the weight's dtype, or wider where dy is (the head's fp32 logits), as JAX's.
+  wide = jnp.promote_types(w_like.dtype, jnp.result_type(x, dy))
+  dw = jax.lax.dot_general(x, dy, ((batch, batch), ((), ())),
+                           preferred_element_type=wide).astype(w_like.dtype)
+  db = None if b_like is None else jnp.sum(dy.astype(jnp.float32), batch).astype(b_like.dtype)
+  return dx, dw, db
+
+
+cast_matmul.defvjp(_cast_matmul_fwd, _cast_matmul_bwd)
+
+
+class Dense(nn.Module):
+  """`nn.Dense`'s params and forward pass by `cast_matmul`: kernel param_dtype[in,
+  out] (logical axes `names`), with `bias` a bias param_dtype[out] (zeros, names[1]);
+  [..., in] -> [..., out] in `dtype` (or `out_dtype`)."""
+  features: int
+  names: tuple[str, str]
+  dtype: Any
+  param_dtype: Any
+  bias: bool = False
+  out_dtype: Any = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), self.names)
+    kernel = self.param("kernel", init, (x.shape[-1], self.features), self.param_dtype)
+    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.names[1:]),
+                      (self.features,), self.param_dtype) if self.bias else None
+    return cast_matmul(x.astype(self.dtype), kernel, bias, self.dtype, self.out_dtype)
 
 
 def _dense(config: LlamaConfig, features: int, names: tuple[str, str], name: str,
-           bias: bool = False):
-  """A Dense layer: kernel param_dtype[in, out] with logical axis `names`; with `bias`,
-  a bias param_dtype[out] (zeros, logical axis names[1])."""
-  init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), names)
-  bias_init = nn.with_logical_partitioning(nn.initializers.zeros, names[1:])
-  return nn.Dense(features, use_bias=bias, dtype=config.compute_dtype,
-                  param_dtype=config.param_dtype, kernel_init=init, bias_init=bias_init,
-                  name=name)
+           bias: bool = False) -> Dense:
+  """A Dense layer (`Dense`): kernel param_dtype[in, out] with logical axis `names`;
+  with `bias`, a bias param_dtype[out] (zeros, logical axis names[1])."""
+  return Dense(features, names, config.compute_dtype, config.param_dtype, bias, name=name)
 
 
 def _mask(c: LlamaConfig, window: int) -> Mask:
@@ -432,10 +494,8 @@ class Llama(nn.Module):
                           metadata_params={nn.PARTITION_NAME: "layers"})(c)
     self.norm = RMSNorm(c.norm_eps, c.compute_dtype, c.param_dtype, c.norm_offset)
     if not c.tie_embeddings:
-      init = nn.with_logical_partitioning(nn.initializers.normal(INIT_STD), ("embed", "vocab"))
-      self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.compute_dtype,
-                              param_dtype=c.param_dtype, kernel_init=init,
-                              dot_general=_dot_f32)  # bf16 inputs, fp32 logits.
+      self.lm_head = Dense(c.vocab_size, ("embed", "vocab"), c.compute_dtype, c.param_dtype,
+                           out_dtype=jnp.float32)  # bf16 inputs, fp32 logits.
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """int32[B, T] -> [B, T, D] (compute dtype): the embedding, times sqrt(D) rounded to
@@ -473,8 +533,8 @@ class Llama(nn.Module):
     x = self.norm(x)
     if not c.tie_embeddings:
       return self.lm_head(x)
-    w = self.embed_tokens.embedding.astype(c.compute_dtype)
-    return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    # The embedding [V, D] as the head's kernel [D, V], cast where it is used.
+    return cast_matmul(x, self.embed_tokens.embedding.T, None, c.compute_dtype, jnp.float32)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int32[B, T] -> float32[B, T, V] next-token logits."""
