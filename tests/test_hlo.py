@@ -9,7 +9,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax
+from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.models.mlp_lm import MlpLM
+from zerojax.release import make_release_step
 from zerojax.testing import hlo
 
 
@@ -116,3 +118,43 @@ def test_stages_1_2_gather_params_in_bf16_and_reduce_grads_in_f32(stage):
   assert sum(c.result_bytes * c.trips for c in gathers) == 2 * num_params
   assert sum(hlo.nbytes(((d, s),)) * c.trips for c in reductions
              for d, s in c.operands if s) == 4 * num_params
+
+
+def test_weight_gradient_dots_emit_fp32_that_nothing_rounds():
+  """The program's weight-gradient dots (a dot whose result has a 2-D param's shape) as
+  written, before XLA:CPU rewrites every bf16 dot as fp32: with `upcast_params`
+  'gathered' each layer's is f32 and never converted to bf16 at stage 3 and under
+  gradient release; 'all' adds the head's, and reaches stage 1's whole params; 'none'
+  (the negative control) rounds each to bf16 (a bf16 dot, or the head's f32 dot
+  converted)."""
+  # A vocabulary no layer's kernel shape has: the head's [32, 96] is its own.
+  model = LlamaLM(LlamaConfig(vocab_size=96, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                              d_ff=64, attention_block=8, loss_chunk=8))
+  tx = zerojax.optim.lion(1e-3)
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  layer = {x.shape[1:] for x in jax.tree.leaves(shapes["layers"]) if x.ndim == 3}
+  head = shapes["lm_head"]["kernel"].shape
+
+  def weight_dots(stage, upcast, release=False):
+    plan = zerojax.make_plan(zerojax.make_mesh(1, 8), stage, shapes, tx,
+                             logical_axes=model.logical_axes(), min_shard_size=0)
+    step = (make_release_step(plan, model.layered(), tx, upcast_params=upcast) if release
+            else zerojax.make_train_step(plan, model.loss, tx, upcast_params=upcast))
+    batch = {"tokens": jax.ShapeDtypeStruct(
+        (8, 17), jnp.int32, sharding=NamedSharding(plan.mesh, plan.batch_spec))}
+    text = step.lower(zerojax.abstract_state(plan), batch).as_text(dialect="hlo")
+    found = {}
+    for d in hlo.dots(text):
+      if d.result[1] in layer | {head}:
+        found.setdefault("head" if d.result[1] == head else "layers", set()).add(
+            (d.result[0], "bf16" in d.converted_to))
+    return found
+
+  fp32, rounded, head_rounded = {("f32", False)}, {("bf16", False)}, {("f32", True)}
+  for release in (False, True):
+    assert weight_dots(3, "gathered", release) == {"layers": fp32, "head": head_rounded}
+  for stage in (3, 1):
+    assert weight_dots(stage, "all") == {"layers": fp32, "head": fp32}
+  assert weight_dots(3, "none") == {"layers": rounded, "head": head_rounded}
+  # Stage 1 gathers nothing a layer at a time: 'gathered' is 'none' there.
+  assert weight_dots(1, "gathered") == {"layers": rounded, "head": head_rounded}

@@ -75,17 +75,20 @@ def build(config, devices=None) -> Built:
                            offload=c.optimizer.offload == "host",
                            param_offload=c.zero.param_offload == "host",
                            sequence_axes=("fsdp",) if c.mesh.sequence_parallel else ())
+  # zerojax's models cast each weight to the compute dtype where they use it, so they
+  # may see their params in fp32: those weight gradients then stay fp32 to the reduction.
+  upcast = c.precision.upcast_params
   if c.optimizer.release:
     train_step = make_release_step(
         plan, model.layered(), tx, microbatches=t.microbatches,
         accumulation=c.optimizer.release_accumulation, max_grad_norm=c.optimizer.grad_clip,
         clipping=c.optimizer.release_clipping, learning_rate=schedule,
-        reduce_dtype=c.precision.reduce_dtype, loss_scaling=loss_scaling)
+        reduce_dtype=c.precision.reduce_dtype, loss_scaling=loss_scaling, upcast_params=upcast)
   else:
     train_step = zerojax.make_train_step(
         plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,
         learning_rate=schedule, reduce_dtype=c.precision.reduce_dtype,
-        accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling)
+        accum_dtype=c.precision.accum_dtype, loss_scaling=loss_scaling, upcast_params=upcast)
   batch_sharding = NamedSharding(mesh, plan.batch_spec)
   shapes = ({"tokens": ((t.global_batch_size, t.seq_len + 1), jnp.int32)}
             if c.data.name != "sft" else sft.batch_shapes(t.global_batch_size, t.seq_len))

@@ -124,6 +124,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       learning_rate: optax.ScalarOrSchedule | None = None,
                       reduce_dtype: Any = jnp.float32,
                       loss_scaling: precision.LossScaling = precision.NO_SCALING,
+                      upcast_params: str = "none",
                       donate: bool = True,
                       read_ahead: bool | None = None) -> Callable[[step_lib.TrainState, PyTree],
                                                        tuple[step_lib.TrainState, dict]]:
@@ -148,6 +149,10 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     loss_scaling: only no dynamic scaling runs (accepted for a clear error).
     learning_rate: the schedule (or constant) `tx` uses, reported in the metrics.
     reduce_dtype: dtype of every cross-device gradient reduction.
+    upcast_params: as `make_train_step`'s ('none', 'gathered', 'all'): which params the
+      model sees in the reduce dtype (gathered in the param dtype), so that a model
+      that casts its weights where it uses them gets their gradients (each layer's,
+      inside the loop) in fp32 to the reduce-scatter.
     donate: donate the input state's buffers to the output.
     read_ahead: with offloaded params or optimizer state, fetch the next layer's during
       a layer's forward (params) and backward pass (`streaming.read_ahead`: one more
@@ -200,14 +205,17 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       return None
     return jnp.minimum(1.0, max_grad_norm / (jnp.sqrt(total(squares)) + 1e-6))
 
+  up = upcast_params != "none"  # A gathered leaf of the stack: 'gathered' and 'all'.
+
   def gathered(layer):
-    """One layer's shards as the whole params in the param dtype. Differentiated with
+    """One layer's shards as the whole params in the param dtype (with
+    `upcast_params`, in the shards' dtype: `step.materialize`). Differentiated with
     respect to shards in the reduce dtype, the gathers' backward passes reduce-scatter
     in it; the forward pass gathers the stored shards as they are (an fp32 cast of the
     scanned stack would be hoisted out of the loop: a whole fp32 copy)."""
     return jax.tree.map(
-        lambda d, p, like, e: p.astype(like.dtype) if d is None else stage3.gather_leaf(
-            p, d - 1, plan.axes_of(e), like.dtype),
+        lambda d, p, like, e: (p if upcast_params == "all" else p.astype(like.dtype))
+        if d is None else stage3.gather_leaf(p, d - 1, plan.axes_of(e), like.dtype, up),
         dims[stack], layer, plan.params[stack], experts[stack], is_leaf=is_dim)
 
   def reduced(grads, dims, experts):
@@ -222,7 +230,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     phase = dict(move=last, **({} if microbatches == 1 else dict(
         decay=decay, weight=1.0 / microbatches)))
     view = lambda rest: {k: v for k, v in step_lib.materialize(
-        plan, {**rest, stack: params[stack]}).items() if k != stack}
+        plan, {**rest, stack: params[stack]}, upcast_params).items() if k != stack}
     rest32 = cast({k: v for k, v in params.items() if k != stack})
     rest_dims = {k: v for k, v in dims.items() if k != stack}
     rest_experts = {k: v for k, v in experts.items() if k != stack}

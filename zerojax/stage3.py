@@ -31,14 +31,17 @@ class Sharded:
     dim: the sharded dimension counted from the end (negative), so it stays right
       after `lax.scan` slices off the leading layers axis.
     axes: mesh axes the leaf is sharded over.
-    dtype: the dtype the gathered parameter is used in.
+    dtype: the dtype the parameter is gathered in (its stored dtype).
+    upcast: hand the model the gathered parameter in `value`'s dtype (its values
+      `dtype`'s), not in `dtype`: see `gather_leaf`.
   """
 
-  def __init__(self, value: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any):
-    self.value, self.dim, self.axes, self.dtype = value, dim, axes, dtype
+  def __init__(self, value: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any,
+               upcast: bool = False):
+    self.value, self.dim, self.axes, self.dtype, self.upcast = value, dim, axes, dtype, upcast
 
   def tree_flatten(self):
-    return (self.value,), (self.dim, self.axes, self.dtype)
+    return (self.value,), (self.dim, self.axes, self.dtype, self.upcast)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
@@ -53,20 +56,23 @@ class Sharded:
         "`zerojax.gather(layer_params)` on each layer's params inside the scan body")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
-  return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _all_gather(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any,
+                upcast: bool) -> jax.Array:
+  whole = jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
+  return whole.astype(x.dtype) if upcast else whole
 
 
-def _all_gather_fwd(x, dim, axes, dtype):
+def _all_gather_fwd(x, dim, axes, dtype, upcast):
   # The residual is a zero-size array that only carries the primal's dtype.
-  return _all_gather(x, dim, axes, dtype), jnp.zeros((0,), x.dtype)
+  return _all_gather(x, dim, axes, dtype, upcast), jnp.zeros((0,), x.dtype)
 
 
-def _all_gather_bwd(dim, axes, dtype, like, cotangent):
-  del dtype
+def _all_gather_bwd(dim, axes, dtype, upcast, like, cotangent):
+  del dtype, upcast
   # The primal is in the reduce dtype, so the cotangent is upcast *before* the
   # reduction: the sum over devices happens in fp32 even though the gather was bf16.
+  # (With `upcast` it arrives in fp32: the model's weight gradients were never bf16.)
   return (jax.lax.psum_scatter(cotangent.astype(like.dtype), axes,
                                scatter_dimension=dim, tiled=True),)
 
@@ -88,21 +94,37 @@ def gather(tree: PyTree) -> PyTree:
     tree: a pytree whose leaves are arrays or `Sharded`.
 
   Returns:
-    The same tree with each `Sharded` leaf replaced by the whole parameter in its
-    compute dtype (shape of the unsharded leaf).
+    The same tree with each `Sharded` leaf replaced by the whole parameter (shape of
+    the unsharded leaf) in its stored dtype, or with `upcast` in the shard's.
   """
   def one(leaf):
     if not isinstance(leaf, Sharded):
       return leaf
     # An offloaded layer (`zero.param_offload`) comes to the device first.
     value = streaming.on_device(leaf.value)
-    return gather_leaf(value, value.ndim + leaf.dim, leaf.axes, leaf.dtype)
+    return gather_leaf(value, value.ndim + leaf.dim, leaf.axes, leaf.dtype, leaf.upcast)
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
 
 
-def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any) -> jax.Array:
-  """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`."""
-  return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype))
+def gather_leaf(x: jax.Array, dim: int, axes: tuple[str, ...], dtype: Any,
+                upcast: bool = False) -> jax.Array:
+  """All-gathers a shard in `dtype`; its gradient is reduce-scattered in `x.dtype`.
+
+  Args:
+    x: this device's shard, in the reduce dtype (fp32; its values `dtype`'s).
+    dim: the dimension the shards are concatenated along.
+    axes: the mesh axes to gather over.
+    dtype: the dtype on the wire (the stored param dtype, e.g. bf16).
+    upcast: return the whole param in `x.dtype` (fp32 holding `dtype`'s values), not
+      in `dtype`. The gradient of its uses then reaches the reduce-scatter in fp32: a
+      model that casts the weight to its compute dtype inside a matmul whose weight
+      gradient it emits in the weight's dtype (`zerojax.models.llama.cast_matmul`)
+      never rounds a layer's local gradient to bf16 (docs/design/precision.md).
+
+  Returns:
+    The whole param, in `dtype` (or `x.dtype` with `upcast`).
+  """
+  return _all_gather(x, dim, tuple(axes), jnp.dtype(dtype), upcast)
 
 
 def after(tree: PyTree, deps: PyTree) -> PyTree:

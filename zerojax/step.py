@@ -131,22 +131,46 @@ def check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
           f"({multiple // microbatches}) x microbatches ({microbatches})")
 
 
-def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
+# Which params `materialize` hands the model in the reduce dtype (`upcast_params`).
+UPCAST = ("none", "gathered", "all")
+
+
+def materialize(plan: zero.ZeroPlan, params: PyTree, upcast: str = "none") -> PyTree:
   """What the model sees of one device's params: their own dtype, gathered by stage.
 
   With sharded params, leaves the model gathers per layer become `stage3.Sharded`, the
   other sharded leaves are gathered here; otherwise params are whole already. `params`
   may be in another dtype (the reduce dtype, when differentiating).
+
+  Args:
+    plan: the ZeRO plan.
+    params: this device's params (shards where sharded), in their own dtype or the
+      reduce dtype.
+    upcast: one of `UPCAST`: which leaves the model sees in `params`' dtype (the reduce
+      dtype, holding the param dtype's values: the step casts the stored params up),
+      still gathered in the param dtype (`stage3.gather_leaf`): none; those it gathers a
+      layer at a time (`stage3.Sharded`: each layer's gradient is reduce-scattered
+      inside the layer loop, so in fp32 it is one layer's); or all (an unsharded
+      stack's or the head's gradient is then whole in fp32). A model that casts each
+      weight to its compute dtype where it uses it gets their gradients in fp32 to the
+      reduction, never rounded to bf16 (`make_train_step`'s `upcast_params`).
   """
+  if upcast not in UPCAST:
+    raise ValueError(f"upcast_params={upcast!r}: one of {UPCAST}")
+
   def leaf(p, d, layered, host, like, e):
     axes = plan.axes_of(e)
+    # Gathered a layer at a time over more than one shard (one device gathers nothing).
+    by_layer = layered and d is not None and (host or plan.behaviour.shards_params)
+    up = upcast == "all" or (upcast == "gathered" and by_layer)
     if host:  # Gathered (over one shard: moved) by the model, a layer at a time.
-      return stage3.Sharded(p, -1 if d is None else d - p.ndim, axes, like.dtype)
+      return stage3.Sharded(p, -1 if d is None else d - p.ndim, axes, like.dtype, up)
     if not plan.behaviour.shards_params or d is None:
-      return p.astype(like.dtype)
+      # Not `p.astype(like.dtype).astype(p.dtype)`: its gradient would round to bf16.
+      return p if up else p.astype(like.dtype)
     if layered:
-      return stage3.Sharded(p, d - p.ndim, axes, like.dtype)
-    return stage3.gather_leaf(p, d, axes, like.dtype)
+      return stage3.Sharded(p, d - p.ndim, axes, like.dtype, up)
+    return stage3.gather_leaf(p, d, axes, like.dtype, up)
   host = jax.tree.map(lambda h, p: h and streaming.in_host_memory(p), plan.param_offloaded,
                       params)
   seen = jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
@@ -165,7 +189,7 @@ def materialize(plan: zero.ZeroPlan, params: PyTree) -> PyTree:
     whole, stacks = stage3.before_loops(whole, stacks)
     for i, v in stacks.items():
       x = leaves[i]
-      leaves[i] = stage3.Sharded(v, x.dim, x.axes, x.dtype)
+      leaves[i] = stage3.Sharded(v, x.dim, x.axes, x.dtype, x.upcast)
     leaves = [whole.get(i, x) for i, x in enumerate(leaves)]
   return jax.tree.unflatten(tree, leaves)
 
@@ -190,7 +214,7 @@ def sum_unreduced(plan: zero.ZeroPlan, g: jax.Array, dim: int | None,
 
 
 def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
-                 reduce_dtype, accum_dtype):
+                 reduce_dtype, accum_dtype, upcast_params: str):
   """Builds the per-device half: (params, batch, rng, loss scale) -> (grads, loss, aux).
 
   The grads are the sums over devices and microbatches of the (loss-scaled)
@@ -241,7 +265,7 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
     micro = jax.tree.map(split, batch)
 
     def objective(p32, mb, key):
-      seen = materialize(plan, p32)
+      seen = materialize(plan, p32, upcast_params)
       out = loss_fn(seen, ordered_batch(seen, mb), key)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
@@ -284,6 +308,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                     reduce_dtype: Any = jnp.float32, accum_dtype: Any = jnp.float32,
                     loss_scaling: precision.LossScaling = precision.NO_SCALING,
                     update_by_layer: bool | None = None,
+                    upcast_params: str = "none",
                     donate: bool = True) -> Callable[[TrainState, PyTree],
                                                      tuple[TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` for the plan's stage.
@@ -312,6 +337,17 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
       scalars in its state besides leaves that mirror the params. True insists.
       The params and optimizer state are bit-for-bit those of the whole-tree
       update; the reported update_norm is summed layer by layer (last-bit changes).
+    upcast_params: which params `loss_fn` gets in the reduce dtype (their values the
+      param dtype's; stage 3 still gathers in the param dtype: `materialize`), not in
+      the param dtype: 'none', 'gathered' (the leaves the model gathers a layer at a
+      time: stage 3's layer stacks) or 'all'. For a model that casts each weight to
+      its compute dtype where it uses it, in a matmul that emits the weight gradient
+      in the weight's dtype (zerojax's Llama: `zerojax.models.llama.cast_matmul`),
+      those local weight gradients reach the fp32 reduction without being rounded to
+      bf16. A model that computes in its params' dtype would compute in fp32: leave it
+      'none' there. Memory (docs/design/precision.md): 'gathered' within 0.5 GiB of
+      'none' for the 70B on 8 x H100; 'all' keeps whole gradients in fp32 (the head's
+      over the loss chunks: +8.08 GiB there; an unsharded layer stack's).
     donate: donate the input state's buffers to the output.
 
   Returns:
@@ -324,7 +360,7 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     loss_scale, and the means of the loss_fn's aux values.
   """
   reduce_dtype, accum_dtype = jnp.dtype(reduce_dtype), jnp.dtype(accum_dtype)
-  local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype)
+  local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype, upcast_params)
 
   shardings = state_shardings(plan)
   # The update runs in the reduced gradient's layout: each device its shard (or all).

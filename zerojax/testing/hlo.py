@@ -27,8 +27,8 @@ from zerojax.runtime import xla_dump
 # re-exported here beside the collectives.
 from zerojax.streaming.schedule import _INSTRUCTION, _TYPE, HostMove, Shape, host_moves
 
-__all__ = ["COLLECTIVES", "Collective", "HostMove", "Shape", "collectives", "compile_partitioned",
-           "host_moves", "nbytes", "summarize"]
+__all__ = ["COLLECTIVES", "Collective", "Dot", "HostMove", "Shape", "collectives",
+           "compile_partitioned", "dots", "host_moves", "nbytes", "summarize"]
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
                "collective-permute")
@@ -171,6 +171,40 @@ def collectives(hlo_text: str) -> list[Collective]:
 
   return [Collective(op, name, c, results, size, *runs(c), operands)
           for op, name, c, results, size, operands in found]
+
+
+class Dot(NamedTuple):
+  """One dot instruction.
+
+  Attributes:
+    name: the instruction name.
+    result: its (dtype, shape).
+    converted_to: the dtypes of the `convert`s that read it (e.g. ('bf16',): the
+      product is rounded to bf16 right after it).
+  """
+  name: str
+  result: Shape
+  converted_to: tuple[str, ...]
+
+
+def dots(hlo_text: str) -> list[Dot]:
+  """Every dot in an HLO module's text, in order, with the dtypes it is converted to.
+
+  Read it before optimization (`lowered.as_text(dialect='hlo')`) or right after
+  partitioning: XLA:CPU's compiler rewrites every bf16 dot as an fp32 one (float
+  normalization), so its compiled module no longer shows which the program asked for.
+  """
+  found, converts = [], {}
+  for line in hlo_text.splitlines():
+    if not (inst := _INSTRUCTION.match(line)):
+      continue
+    name, hlo_type, op, rest = inst.groups()
+    if op == "dot":
+      found.append((name, _shapes(hlo_type)[0]))
+    elif op == "convert":
+      (source,) = re.findall(r"%?([\w.\-]+)", rest.split(")")[0])[:1]
+      converts.setdefault(source, []).append(_shapes(hlo_type)[0][0])
+  return [Dot(name, result, tuple(converts.get(name, ()))) for name, result in found]
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
