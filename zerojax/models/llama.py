@@ -106,53 +106,63 @@ def _norm(config: "LlamaConfig", name: str, axis: str = "embed") -> RMSNorm:
 # ------------------------------------------------------------------------ the model
 
 
-def _matmul(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
-  """x [..., I] @ w [I, O] -> [..., O] in `out_dtype` (None: the inputs' dtype)."""
-  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                             preferred_element_type=out_dtype)
+def _matmul(x: jax.Array, w: jax.Array, b: jax.Array | None, out_dtype: Any,
+            rows: bool) -> jax.Array:
+  """x [..., I] @ w [I, O] (`rows`: w [O, I], a row per output) (+ b [O]) -> [..., O] in
+  `out_dtype` (None: the inputs' dtype)."""
+  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if rows else 0,)), ((), ())),
+                          preferred_element_type=out_dtype)
+  return y if b is None else y + b.astype(y.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def cast_matmul(x: jax.Array, w: jax.Array, b: jax.Array | None, dtype: Any,
-                out_dtype: Any = None) -> jax.Array:
-  """x @ w.astype(dtype) (+ b): x [..., I] (`dtype`), w [I, O], b [O] or None, any
-  float dtype -> [..., O] in `out_dtype` (None: `dtype`).
+                out_dtype: Any = None, rows: bool = False) -> jax.Array:
+  """x @ w.astype(dtype) (+ b): x [..., I] (`dtype`), w [I, O] (`rows`: [O, I], as the
+  tied head reads the embedding), b [O] or None, any float dtype -> [..., O] in
+  `out_dtype` (None: `dtype`).
 
-  The weight is cast to the compute dtype here, inside the vjp, so the weight's (and
-  bias's) gradient is emitted in the weight's own dtype by the matmul itself
-  (`preferred_element_type`; the bias's summed in fp32): given fp32 weights (the
-  step's `upcast_params`: fp32 holding bf16 values), a layer's local weight gradient
-  is never rounded to bf16 before its fp32 reduction. JAX's own transpose emits it in
-  the dtype the weight had at the matmul, bf16. Given bf16 weights it is JAX's.
-  The input's gradient is JAX's own, in x's dtype.
+  A weight wider than `dtype` is cast here, inside a vjp, so its (and the bias's)
+  gradient is emitted in its own dtype by the matmul itself (`preferred_element_type`;
+  the bias's summed in fp32): given fp32 weights (the step's `upcast_params`: fp32
+  holding bf16 values), a layer's local weight gradient is never rounded to bf16 before
+  its fp32 reduction. JAX's own transpose emits it in the dtype the weight had at the
+  matmul, bf16. Weights already in `dtype` take JAX's matmul and its gradients as they
+  are (the same dtypes; the program, and so XLA's buffers, unchanged).
   """
-  return _cast_matmul_fwd(x, w, b, dtype, out_dtype)[0]
+  if w.dtype == jnp.dtype(dtype) and (b is None or b.dtype == jnp.dtype(dtype)):
+    return _matmul(x, w, b, out_dtype, rows)
+  return _cast_matmul(x, w, b, dtype, out_dtype, rows)
 
 
-def _cast_matmul_fwd(x, w, b, dtype, out_dtype):
-  y = _matmul(x, w.astype(dtype), out_dtype)
-  if b is not None:
-    y = y + b.astype(y.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _cast_matmul(x, w, b, dtype, out_dtype, rows):
+  return _cast_matmul_fwd(x, w, b, dtype, out_dtype, rows)[0]
+
+
+def _cast_matmul_fwd(x, w, b, dtype, out_dtype, rows):
+  y = _matmul(x, w.astype(dtype), b, out_dtype, rows)
   # The weight is saved in `dtype` (as JAX's own matmul would), its dtypes as zero-size
   # arrays: no fp32 copy of a weight is kept for the backward pass.
   like = (jnp.zeros((0,), w.dtype), None if b is None else jnp.zeros((0,), b.dtype))
   return y, (x, w.astype(dtype), like)
 
 
-def _cast_matmul_bwd(dtype, out_dtype, residuals, dy):
+def _cast_matmul_bwd(dtype, out_dtype, rows, residuals, dy):
   x, w, (w_like, b_like) = residuals
-  _, vjp = jax.vjp(lambda x: _matmul(x, w, out_dtype), x)
-  (dx,) = vjp(dy)
+  # JAX's own transpose for the input (not `jax.vjp`, whose forward would be traced too).
+  dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (0 if rows else 1,)), ((), ())),
+                           preferred_element_type=out_dtype).astype(x.dtype)
   batch = tuple(range(x.ndim - 1))
   # In the weight's dtype, or wider where dy is (the head's fp32 logits), as JAX's.
   wide = jnp.promote_types(w_like.dtype, jnp.result_type(x, dy))
-  dw = jax.lax.dot_general(x, dy, ((batch, batch), ((), ())),
+  a, c = (dy, x) if rows else (x, dy)  # dW in w's layout: [O, I] or [I, O].
+  dw = jax.lax.dot_general(a, c, ((batch, batch), ((), ())),
                            preferred_element_type=wide).astype(w_like.dtype)
   db = None if b_like is None else jnp.sum(dy.astype(jnp.float32), batch).astype(b_like.dtype)
   return dx, dw, db
 
 
-cast_matmul.defvjp(_cast_matmul_fwd, _cast_matmul_bwd)
+_cast_matmul.defvjp(_cast_matmul_fwd, _cast_matmul_bwd)
 
 
 class Dense(nn.Module):
@@ -533,8 +543,9 @@ class Llama(nn.Module):
     x = self.norm(x)
     if not c.tie_embeddings:
       return self.lm_head(x)
-    # The embedding [V, D] as the head's kernel [D, V], cast where it is used.
-    return cast_matmul(x, self.embed_tokens.embedding.T, None, c.compute_dtype, jnp.float32)
+    # The embedding [V, D] as the head's kernel, a row per token (no transposed copy).
+    return cast_matmul(x, self.embed_tokens.embedding, None, c.compute_dtype, jnp.float32,
+                       rows=True)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """int32[B, T] -> float32[B, T, V] next-token logits."""

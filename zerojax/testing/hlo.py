@@ -179,12 +179,16 @@ class Dot(NamedTuple):
   Attributes:
     name: the instruction name.
     result: its (dtype, shape).
-    converted_to: the dtypes of the `convert`s that read it (e.g. ('bf16',): the
-      product is rounded to bf16 right after it).
+    converted_to: the dtypes of the `convert`s that read it, directly or through
+      transposes, reshapes and copies (e.g. ('bf16',): the product is rounded to bf16
+      right after it).
   """
   name: str
   result: Shape
   converted_to: tuple[str, ...]
+
+
+_MOVES = ("transpose", "reshape", "copy", "bitcast")  # Ops that change no value.
 
 
 def dots(hlo_text: str) -> list[Dot]:
@@ -194,17 +198,23 @@ def dots(hlo_text: str) -> list[Dot]:
   partitioning: XLA:CPU's compiler rewrites every bf16 dot as an fp32 one (float
   normalization), so its compiled module no longer shows which the program asked for.
   """
-  found, converts = [], {}
+  found, readers = [], {}
   for line in hlo_text.splitlines():
     if not (inst := _INSTRUCTION.match(line)):
       continue
     name, hlo_type, op, rest = inst.groups()
     if op == "dot":
       found.append((name, _shapes(hlo_type)[0]))
-    elif op == "convert":
-      (source,) = re.findall(r"%?([\w.\-]+)", rest.split(")")[0])[:1]
-      converts.setdefault(source, []).append(_shapes(hlo_type)[0][0])
-  return [Dot(name, result, tuple(converts.get(name, ()))) for name, result in found]
+    for source in re.findall(r"%?([\w.\-]+)", rest.split(")")[0]):
+      readers.setdefault(source, []).append((name, op, _shapes(hlo_type)[:1]))
+
+  def converts(name):
+    for reader, op, result in readers.get(name, ()):
+      if op == "convert":
+        yield result[0][0]
+      elif op in _MOVES:
+        yield from converts(reader)
+  return [Dot(name, result, tuple(converts(name))) for name, result in found]
 
 
 def summarize(found: list[Collective]) -> dict[str, dict[str, int]]:
