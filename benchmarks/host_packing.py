@@ -25,18 +25,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# XLA reads the device count when JAX starts its backend (in main), not at import.
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from zerojax.config import load_config  # noqa: E402
+from zerojax.gpu import compile as gpu_compile, targets  # noqa: E402
+from zerojax.runtime.devices import fake_cpu_devices  # noqa: E402
+from zerojax.runtime.units import fmt_bytes  # noqa: E402
+from zerojax.streaming import layers, schedule  # noqa: E402
+from zerojax.testing import markdown_table  # noqa: E402
+
 
 def measure(packed: bool, write: str, layers_: int, leaves: int, width: int, tokens: int,
             target: str) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  from zerojax.config import load_config
-  from zerojax.gpu import compile as gpu_compile, targets
-  from zerojax.streaming import layers, schedule
-
   L, K, D = layers_, leaves, width
   mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
 
@@ -105,10 +109,7 @@ def main(argv=None):
   ap.add_argument("--tokens", type=int, default=4096)
   ap.add_argument("--target", default="rtx4090:1")
   args = ap.parse_args(argv)
-  from zerojax.runtime.devices import fake_cpu_devices
   fake_cpu_devices(1, memory_flags=False)
-  from zerojax.runtime.units import fmt_bytes
-  from zerojax.testing import markdown_table
 
   rows = [measure(packed, write, args.layers, args.leaves, args.width, args.tokens,
                   args.target)

@@ -24,13 +24,21 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# XLA reads the device count when JAX starts its backend (in main), not at import.
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import zerojax  # noqa: E402
+from zerojax.models.llama import LlamaConfig, LlamaLM, cast_matmul  # noqa: E402
 from zerojax.runtime.devices import fake_cpu_devices  # noqa: E402
 
 UPCAST = ("none", "gathered", "all")
 CASES = ((0, 1), (3, 1), (3, 2))  # (stage, microbatches)
 
 
-def keep_gradient(jnp, jax, optax):
+def keep_gradient() -> optax.GradientTransformation:
   """An optax transform whose state is the step's mean gradient (fp32); no update."""
   return optax.GradientTransformation(
       lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
@@ -43,17 +51,9 @@ def main() -> None:
                                                 "weight_grads.json"))
   args = ap.parse_args()
   fake_cpu_devices(8)
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-
-  import zerojax
-  from zerojax.models.llama import LlamaConfig, LlamaLM, cast_matmul
-
   kw = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
             attention_block=32, loss_chunk=32)
-  model, tx = LlamaLM(LlamaConfig(**kw)), keep_gradient(jnp, jax, optax)
+  model, tx = LlamaLM(LlamaConfig(**kw)), keep_gradient()
   params = model.init(jax.random.key(0))
   batch = {"tokens": jax.random.randint(jax.random.key(1), (16, 129), 0, 256)}
   with jax.enable_x64(True):
