@@ -79,7 +79,7 @@ def measure(label, name, overrides, target, cpu):
   compiled = gpu_compile.compile_step(built, config, spec)
   out = compiled.memory
   moved = schedule.host_traffic(compiled.hlo)  # The module's host copies a step.
-  planned = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
+  planned = bus.totals(bus.traffic(e.setup, e.host))
   row = dict(label=label, config=f"configs/{name}.py", overrides=list(overrides),
              target=str(spec), device_kind=spec.target.device_kind, budget=budget,
              memory_fraction=fraction, planner=e.total, planner_host=e.host_total,

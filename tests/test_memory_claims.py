@@ -140,7 +140,7 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
     assert abs(e.host_total / compiled_host - 1) < 0.01, name
     assert 0.95 < r["planner"] / r["gpu"] < (1.05 if name in ("405b_8xh200", "70b_1xh100")
                                               else 1.09), name
-    pcie = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
+    pcie = list(bus.totals(bus.traffic(e.setup, e.host)))
     assert pcie == [r["planner_h2d"], r["planner_d2h"]], name
     assert pcie[1] == r["gpu_d2h"] and 0.98 < pcie[0] / r["gpu_h2d"] <= 1, name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731

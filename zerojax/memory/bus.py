@@ -45,6 +45,12 @@ def traffic(s: RunSpec, host: dict) -> dict:
   return out
 
 
+def totals(traffic: dict) -> tuple[int, int]:
+  """(host-to-device, device-to-host) bytes of `traffic` (`traffic`'s output), summed over
+  its offloads."""
+  return sum(x for x, _ in traffic.values()), sum(y for _, y in traffic.values())
+
+
 def step_flops(s: RunSpec) -> tuple[float, float]:
   """(model FLOPs, remat's recomputed FLOPs) per device per optimizer step.
 
@@ -102,11 +108,11 @@ class Bus:
 
   @property
   def h2d(self) -> int:
-    return sum(x for x, _ in self.traffic.values())
+    return totals(self.traffic)[0]
 
   @property
   def d2h(self) -> int:
-    return sum(y for _, y in self.traffic.values())
+    return totals(self.traffic)[1]
 
   @property
   def seconds(self) -> float:

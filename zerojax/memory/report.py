@@ -502,7 +502,7 @@ def traffic_line(compiled: dict, e: Estimate) -> str:
   moved = compiled.get("host_h2d", 0.0), compiled.get("host_d2h", 0.0)
   if not any(moved):
     return ""
-  planned = [sum(pair[i] for pair in bus.traffic(e.setup, e.host).values()) for i in (0, 1)]
+  planned = bus.totals(bus.traffic(e.setup, e.host))
   gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
   ratio = lambda i: f"{planned[i] / moved[i]:.3f}" if moved[i] else "-"  # noqa: E731
   return (f"host copies in the compiled step: {gb(moved[0])} in, {gb(moved[1])} out per "
