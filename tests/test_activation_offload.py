@@ -77,23 +77,41 @@ def test_activation_offload_needs_remat_and_host_memory():
 
 @pytest.mark.skipif(not targets.plugin_installed(), reason="XLA's GPU compiler is in JAX's "
                     "CUDA plugin: pip install -e '.[gpu-compile]'")
-def test_on_a_gpu_the_saved_inputs_live_in_host_memory_and_arrive_one_layer_ahead():
+def test_on_a_gpu_the_saved_inputs_live_in_host_memory_and_arrive_one_layer_ahead(capsys):
   """XLA's GPU compiler, 8 x H100, stage 3, sequence parallelism, 6 layers of bf16 layer
   inputs [1, 4096 / 8, 256]: its host temporaries are the 6 layers' bytes exactly; its
   device temporaries fall by at least 3 of them (it keeps the layer in use, the one
   arriving, and the forward pass's write in flight); every read back (a dynamic slice
-  of the host buffer, moved) has the layer's compute between its start and its done."""
+  of the host buffer, moved) has the layer's compute between its start and its done.
+
+  The offloaded step is compiled by `python -m zerojax.memory --target h100:8 --compile`
+  (its `main`, in this process; `compile_jitted` keeps what it made, so the step read
+  below is that compile): the planner's host bytes are the compiled host temporaries
+  exactly, and the buffers at the peak are read from the device's temporaries (XLA
+  writes the host ones as a second, color-5 allocation)."""
+  import json  # (here: the rest of this file is another's edit)
+
+  from zerojax.memory import report as memory_report
+
   layers, seq, width = 6, 4096, 256
   overrides = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
                f"model.n_layers={layers}", f"train.seq_len={seq}", "train.global_batch_size=1",
                "mesh.data=1", SP, "zero.stage=3", "model.remat=full"]
+  layer_bytes = 1 * (seq // 8) * width * 2
+  memory_report.main(["--config", "configs/tiny.py", "--target", "h100:8", "--compile", "--json",
+                      *(f"--config.{o}" for o in (*overrides, OFFLOAD))])
+  r = json.loads(capsys.readouterr().out)
+  assert r["host"]["saved activations"] == r["compiled"]["host_temporaries"] == layers * layer_bytes
+  assert r["components"]["saved activations"] == 2 * layer_bytes
+  attributed = r["attributed"]
+  assert attributed["working set"] > 0 and attributed["gathered head"] > 0
+  assert sum(attributed.values()) <= r["compiled"]["temporaries"]
   compiled = {}
   for offload in ("none", "host"):
     config = load_config("configs/tiny.py", [*overrides, f"model.activation_offload={offload}"],
                          num_devices=8)
     built = build.build(config)
     compiled[offload] = gpu_compile.compile_step(built, config, targets.parse("h100:8"))
-  layer_bytes = 1 * (seq // 8) * width * 2
   off, on = compiled["none"].memory, compiled["host"].memory
   assert off["host_temporaries"] == 0
   assert on["host_temporaries"] == layers * layer_bytes

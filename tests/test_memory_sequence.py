@@ -11,7 +11,6 @@ import pytest
 
 from zerojax import build, memory, sequence
 from zerojax.config import load_config
-from zerojax.gpu import targets
 from zerojax.testing import hlo
 
 from test_memory import CONFIGS, config, run_cli
@@ -152,20 +151,7 @@ def test_one_long_sequence_a_device_without_sequence_parallelism_within_5_percen
   assert r["attributed"]["saved activations"] == r["components"]["saved activations"]
 
 
-@pytest.mark.skipif(not targets.plugin_installed(), reason="XLA's GPU compiler is in JAX's "
-                    "CUDA plugin: pip install -e '.[gpu-compile]'")
-def test_activation_offload_host_bytes_are_the_compiled_host_temporaries():
-  """`--target h100:8 --compile` of the tiny Llama with model.activation_offload='host'
-  (6 layers, 4096 tokens over 8): the planner's host bytes are XLA's GPU compiler's host
-  temporaries exactly, and the buffers at the peak are read from the device's
-  temporaries (XLA writes the host ones as a second, color-5 allocation)."""
-  r = run_cli("--config", os.path.join(CONFIGS, "tiny.py"), "--target", "h100:8", *(
-      f"--config.{x}" for x in (*SP, "model.d_model=256", "model.n_heads=8",
-                                "model.n_kv_heads=8", "model.d_ff=512", "model.n_layers=6",
-                                "train.seq_len=4096", "train.global_batch_size=1",
-                                "model.remat=full", "model.activation_offload=host")))
-  assert r["host"]["saved activations"] == r["compiled"]["host_temporaries"] == 6 * 512 * 256 * 2
-  assert r["components"]["saved activations"] == 2 * 512 * 256 * 2
-  attributed = r["attributed"]
-  assert attributed["working set"] > 0 and attributed["gathered head"] > 0
-  assert sum(attributed.values()) <= r["compiled"]["temporaries"]
+# The planner's activation-offload host bytes against XLA's GPU compiler (`--target h100:8
+# --compile`, its host temporaries exactly; the peak's buffers read from the device's
+# temporaries): tests/test_activation_offload.py's GPU test, which compiles the same
+# step (the tiny Llama, 6 layers, 4096 tokens over 8) and reads it too.
