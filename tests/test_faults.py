@@ -1,9 +1,17 @@
-"""Faults of a run's lifecycle, through train.py in real processes on real files.
+"""Faults of a run's lifecycle, through train.py on real files.
 
 A checkpoint past train.steps, a rejected resume, damaged checkpoints, a full disk (a
 real tmpfs), two runs in one workdir, stopping early (exit 75), the launcher's view of
 it, and kill -9 at many moments. Most tests start from one 8-step run's workdir
 (checkpoints 4 and 8), copied; all share the suite's JAX compilation cache (conftest).
+
+Real processes where the process is what is tested: a kill -9, a signal, a lock held by
+another process, a whole stderr (damaged checkpoints, a full disk, a refused second run:
+one line, nothing printed as the interpreter exits) and the launcher. The rest (the 8-step
+workdir, the kill -9 loop's uninterrupted run and its last resume, a checkpoint past
+train.steps, a rejected resume, --stop_after) are `train.main` calls in this process
+(`test_train.train_here`): the same flags and compilation cache as a child, each resume
+reading its state from disk into a new build, and no JAX start.
 """
 
 import json
@@ -32,6 +40,7 @@ from test_train import (
   start_train,
   step_records,
   train_env,
+  train_here,
 )
 
 # A constant learning rate: the step does not depend on train.steps, so every run here
@@ -55,7 +64,7 @@ def env():
 def trained(tmp_path_factory, env):
   """A workdir after 8 steps: checkpoints 4 and 8, config.json, metrics.jsonl."""
   workdir = tmp_path_factory.mktemp("trained")
-  result = run_train(*COMMON, "--config.train.steps=8", f"--workdir={workdir}", env=env)
+  result = train_here(*COMMON, "--config.train.steps=8", f"--workdir={workdir}")
   assert result.returncode == exits.DONE, result.stderr[-3000:]
   assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["4", "8"]
   return workdir
@@ -74,10 +83,10 @@ def one_error_line(stderr: str) -> str:
   return lines[0]
 
 
-def test_a_checkpoint_past_train_steps_is_left_alone(trained, tmp_path, env):
+def test_a_checkpoint_past_train_steps_is_left_alone(trained, tmp_path):
   w = copy(trained, tmp_path)
   before = checkpoint_files(w)
-  result = run_train(*COMMON, "--config.train.steps=6", f"--workdir={w}", env=env)
+  result = train_here(*COMMON, "--config.train.steps=6", f"--workdir={w}")
   assert result.returncode == exits.DONE, result.stderr[-3000:]
   assert (f"done: checkpoint {w}/checkpoints/8 is past train.steps=6: nothing to train or "
           "save") in result.stdout
@@ -86,11 +95,11 @@ def test_a_checkpoint_past_train_steps_is_left_alone(trained, tmp_path, env):
   assert after == before  # No checkpoint 6 holding step 8, none rotated away, same config.json.
 
 
-def test_a_rejected_resume_keeps_config_json(trained, tmp_path, env):
+def test_a_rejected_resume_keeps_config_json(trained, tmp_path):
   w = copy(trained, tmp_path)
   saved = (w / "config.json").read_text()
-  result = run_train(*COMMON, "--config.train.steps=8", "--config.model.d_model=64",
-                     f"--workdir={w}", env=env)
+  result = train_here(*COMMON, "--config.train.steps=8", "--config.model.d_model=64",
+                      f"--workdir={w}")
   assert result.returncode == exits.BAD_INPUT
   assert "d_model" in result.stderr and "Traceback" not in result.stderr
   assert (w / "config.json").read_text() == saved
@@ -202,14 +211,12 @@ def test_a_lock_whose_holder_died_is_taken_over(tmp_path):
   assert "that run has ended" in notes[0] and not (tmp_path / "lock").exists()
 
 
-def test_stop_after_exits_75_and_stopping_at_the_last_step_is_done(trained, tmp_path, env):
+def test_stop_after_exits_75_and_stopping_at_the_last_step_is_done(trained, tmp_path):
   w = copy(trained, tmp_path)
-  stopped = run_train(*COMMON, "--config.train.steps=10", "--stop_after=9", f"--workdir={w}",
-                      env=env)
+  stopped = train_here(*COMMON, "--config.train.steps=10", "--stop_after=9", f"--workdir={w}")
   assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
   assert "stopped by --stop_after after step 9: saved" in stopped.stdout
-  done = run_train(*COMMON, "--config.train.steps=10", "--stop_after=10", f"--workdir={w}",
-                   env=env)
+  done = train_here(*COMMON, "--config.train.steps=10", "--stop_after=10", f"--workdir={w}")
   assert done.returncode == exits.DONE, done.stderr[-3000:]
   assert "done: 10 steps" in done.stdout and "stopped" not in done.stdout
   assert sorted(os.listdir(w / "checkpoints"), key=int) == ["8", "9", "10"]
@@ -333,7 +340,7 @@ def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
   bit-identical."""
   common = (*COMMON, "--config.train.steps=16", "--config.checkpoint.every_steps=2")
   straight, w = tmp_path / "straight", tmp_path / "killed"
-  result = run_train(*common, f"--workdir={straight}", env=env)
+  result = train_here(*common, f"--workdir={straight}")  # The reference: in this process.
   assert result.returncode == exits.DONE, result.stderr[-3000:]
   ckpts, marker = w / "checkpoints", tmp_path / "stalled"
   kills = [(1, 0.0), ("stall", 0), (5, 0.3), ("start", 0), ("stall", 0), (3, 0.1)]
@@ -370,7 +377,7 @@ def test_kill_9_at_many_moments_resumes_bit_identical(tmp_path, env):
       newest_at_stall = None
     if i:  # The lock of the run killed before.
       assert "note: took over" in "".join(lines), lines[:5]
-  final = run_train(*common, f"--workdir={w}", env=env)
+  final = train_here(*common, f"--workdir={w}")  # The resume after the last kill.
   assert final.returncode == exits.DONE, final.stderr[-3000:]
   assert f"resumed from {ckpts}/" in final.stdout and "done: 16 steps" in final.stdout
   assert "note: took over" in final.stdout and "damaged" not in final.stdout + final.stderr
