@@ -398,7 +398,10 @@ def test_non_editable_install_loads_configs_from_anywhere(tmp_path):
          "XLA_FLAGS": " ".join(FAST_COMPILE)}
   run = lambda *args: subprocess.run(args, cwd=elsewhere, env=env,  # noqa: E731
                                      capture_output=True, text=True, timeout=300)
-  where = run(sys.executable, "-c", "import zerojax; print(zerojax.__file__)")
+  # Where `import zerojax` finds the package (its spec: the same search of sys.path,
+  # without importing JAX; the scripts below import it from there).
+  where = run(sys.executable, "-c",
+              "import importlib.util; print(importlib.util.find_spec('zerojax').origin)")
   assert where.stdout.startswith(str(site)), where.stdout + where.stderr
   printed = run(sys.executable, "-m", "zerojax.config", "--config", "tiny.py")
   assert printed.returncode == 0 and "stage: 3" in printed.stdout, printed.stderr
