@@ -1,19 +1,25 @@
 """Multi-host on one machine: real processes joined by jax.distributed, gloo collectives.
 
-One module fixture runs train.py five times, two at a time (all fp32, constant lr 1e-3,
-20 steps of a 2-layer, width-32 Llama on 8 CPU devices in all, a checkpoint at step 10):
+One module fixture trains four times (all fp32, constant lr 1e-3, so a step does not
+depend on train.steps; 20 steps of a 2-layer, width-32 Llama on 8 CPU devices in all, a
+checkpoint at step 10):
 
-- `ref`: 1 process x 8 devices, stage 3: the reference losses;
 - `killed`: 2 processes x 4 devices, stage 3, started directly; process 1 is SIGKILLed
   after step 11; process 0 must stop by itself, at once, with one line (default settings);
+- `ref`: 1 process x 8 devices, stage 3: the reference losses;
 - `one_from_two`: 1 process x 8 devices resumes the killed run's step-10 checkpoint;
 - `two_from_one`: `python -m zerojax.run.launch` 2 x 4, stage 1 on the hybrid mesh (data=2
-  across the processes, fsdp=4 inside each) resumes `ref`'s step-10 checkpoint;
-- `coordinator_killed`: `python -m zerojax.run.launch` 2 x 4; process 0 is SIGKILLed after
-  step 11; process 1 and the launcher must say so;
+  across the processes, fsdp=4 inside each) resumes `ref`'s step-10 checkpoint, with
+  train.steps=40; once step 20's record is written (step 21 printed), its process 0 (the
+  coordinator) is SIGKILLed: process 1 and the launcher must say so;
 
-and, beside both rounds, the two processes of `MEET` that reach their first collective
-40 s apart (they mostly sleep).
+and, beside them, the two processes of `MEET` that reach their first collective 40 s
+apart (they mostly sleep). The two 1-process runs (`ref`, `one_from_two`) are
+`train.main` calls in this process (`test_train.train_here`: 8 CPU devices, the same
+flags and compilation cache as a child; the resume reads the 2-process checkpoint from
+disk into a new build), between the killed pair and the launched pairs: what they prove
+is their numbers, not a process boundary, and no JAX start is paid for them. They run
+alone, not beside a pair whose kill a reader thread times.
 
 Every subprocess is bounded by a timeout; coordinator ports come from binding port 0.
 """
@@ -37,6 +43,8 @@ from zerojax.config import ConfigError, base_config
 from zerojax.run import distributed, launch, peers
 from zerojax.runtime import exits
 from zerojax.runtime.devices import fake_devices_env
+
+from test_train import train_here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "train.py")
@@ -140,41 +148,42 @@ def runs(tmp_path_factory):
                                                                 base=one_process_env(4)))
             for rank in range(2)]
     procs = list(meet)
-    # Round 1: the reference and the 2-process run that loses a process, side by side.
-    ref = Proc([sys.executable, TRAIN, *TINY, f"--workdir={root / 'ref'}"], one_process_env())
+    # The 2-process run that loses a process.
     port = launch.free_port()
     killed = [Proc([sys.executable, TRAIN, *TINY, f"--workdir={root / 'killed'}"],
                    launch.child_env(rank, 2, port, 4, base=one_process_env(4)),
                    watch="step     11/20" if rank == 0 else None) for rank in range(2)]
-    procs = [*meet, ref, *killed]
+    procs = [*meet, *killed]
     if killed[0].seen.wait(TIMEOUT):
       killed[1].p.send_signal(signal.SIGKILL)
       kill_time = time.monotonic()
       out["survivor_rc"] = killed[0].wait()
       out["detect_s"] = time.monotonic() - kill_time
     killed[1].wait()
-    out["killed"], out["ref"] = killed, ref
-    out["ref_rc"] = ref.wait()
+    out["killed"] = killed
 
-    # Round 2: each checkpoint resumed with the other process count, side by side, and a
-    # launched run that loses process 0.
+    # In this process: the reference, and the killed run's checkpoint resumed on one.
+    out["ref"] = train_here(*TINY, f"--workdir={root / 'ref'}")
+    out["ref_rc"] = out["ref"].returncode
     shutil.copytree(root / "killed" / "checkpoints" / "10", root / "one" / "checkpoints" / "10")
+    out["one"] = train_here(*TINY, f"--workdir={root / 'one'}")
+    out["one_rc"] = out["one"].returncode
+
+    # The reference's checkpoint resumed on two processes (launched), which then lose
+    # process 0: steps 11-20 are compared with the reference, and a record is written
+    # after its line is printed, so the kill waits for step 21's line.
     shutil.copytree(root / "ref" / "checkpoints" / "10", root / "two" / "checkpoints" / "10")
-    one = Proc([sys.executable, TRAIN, *TINY, f"--workdir={root / 'one'}"], one_process_env())
-    launch_cmd = [sys.executable, "-m", "zerojax.run.launch", "--nproc", "2",
-                  "--devices_per_process", "4", "--", sys.executable, TRAIN, *TINY]
-    two = Proc([*launch_cmd, "--config.zero.stage=1", "--config.mesh.data=2",
-                f"--workdir={root / 'two'}"], one_process_env(1))
-    coordinator_killed = Proc(launch_cmd, one_process_env(1), watch="[0] step     11/20")
-    procs = [*meet, one, two, coordinator_killed]
-    if coordinator_killed.seen.wait(TIMEOUT):
-      os.kill(launched(coordinator_killed.p, 0), signal.SIGKILL)
+    two = Proc([sys.executable, "-m", "zerojax.run.launch", "--nproc", "2",
+                "--devices_per_process", "4", "--", sys.executable, TRAIN, *TINY,
+                "--config.train.steps=40", "--config.zero.stage=1", "--config.mesh.data=2",
+                f"--workdir={root / 'two'}"], one_process_env(1), watch="[0] step     21/40")
+    procs = [*meet, two]
+    if two.seen.wait(TIMEOUT):
+      os.kill(launched(two.p, 0), signal.SIGKILL)
       kill_time = time.monotonic()
-      out["coordinator_killed_rc"] = coordinator_killed.wait()
+      out["coordinator_killed_rc"] = two.wait()
       out["coordinator_detect_s"] = time.monotonic() - kill_time
-    out["coordinator_killed"] = coordinator_killed
-    out["one_rc"], out["two_rc"] = one.wait(), two.wait()
-    out["one"], out["two"] = one, two
+    out["two"] = out["coordinator_killed"] = two
     out["meet_rc"] = [proc.wait(120) for proc in meet]
     out["meet"] = meet
   finally:
@@ -237,8 +246,10 @@ def test_a_two_process_checkpoint_resumes_on_one_process(runs):
 
 
 def test_a_one_process_checkpoint_resumes_on_two_hybrid_stage_1(runs):
+  """Steps 11-20 of `two_from_one` (then SIGKILLed: test_a_killed_coordinator_...); a
+  launched 2 x 4 run that ends with exit 0 is test_sigterm_...'s resume."""
   two = runs["two"]
-  assert runs["two_rc"] == 0, two.stderr[-3000:]
+  assert "coordinator_detect_s" in runs, two.stderr[-3000:]  # It reached step 21.
   head = header(runs["root"] / "two")
   assert head["processes"] == 2 and head["stage"] == 1
   assert head["mesh"] == {"data": 2, "expert": 1, "fsdp": 4}
@@ -525,10 +536,10 @@ def test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process(tm
   assert any("in test_stall" in x for x in stack), "".join(stack)[-3000:]
   assert "[0] error:" in err and "is gone" not in err, err[-3000:]
   assert "status 7 (HUNG)" in err, err[-2000:]  # The launcher's summary.
-  # The last committed checkpoint (every 10 steps) resumes (one process, 8 devices).
+  # The last committed checkpoint (every 10 steps) resumes (one process, 8 devices: this
+  # one, `train_here`, as the fixture's 1-process runs).
   last = max(int(n) for n in os.listdir(tmp_path / "checkpoints"))
   assert last % 10 == 0 and last >= trained - 10, (last, trained)
-  resumed = Proc([sys.executable, TRAIN, *TINY, f"--config.train.steps={last + 1}",
-                  f"--workdir={tmp_path}"], one_process_env())
-  assert resumed.wait() == 0, resumed.stderr[-3000:]
+  resumed = train_here(*TINY, f"--config.train.steps={last + 1}", f"--workdir={tmp_path}")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from {tmp_path}/checkpoints/{last}\n" in resumed.stdout
