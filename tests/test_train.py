@@ -19,7 +19,6 @@ from zerojax import data, optim
 from zerojax.checkpoint import layout
 from zerojax.config import base_config
 from zerojax.data import sft_demo
-from zerojax.generate import cli as generate_cli
 from zerojax.mesh import make_mesh
 from zerojax.run import metrics
 from zerojax.runtime import exits
@@ -215,19 +214,22 @@ def checkpoint_leaves(step_dir) -> dict[str, np.ndarray]:
     # process: 2 and 0 (1 runs in test_multihost's hybrid resume and test_checkpoint's
     # exact resume). Fine-tuning data, packed: 1200 examples make about 150 rows of 129
     # tokens, so the stop after step 10 (row 160) lands in the second epoch; the run ends
-    # in the third.
+    # in the third. The SFT case stops (--stop_after) and carries the writers' checks.
     (2, "--config.mesh.data=2", TINY, SMALL),
     (0, "--config.mesh.data=2", SFT_TINY, ("--config.model.n_layers=2", *SMALL[1:]))],
     ids=["stage3-fsdp8", "stage2-data2", "sft-stage0-data2"])
 def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
-  """2k steps straight == k steps, stop (as on SIGTERM), a new run, k more steps.
+  """2k steps straight == the same run stopped (as on SIGTERM) or crashed midway, then
+  resumed by a new run.
 
   The quick start's runs are processes: its resume is a new process (nothing carried in
-  memory) from the straight run's periodic checkpoint of step 8, copied to a new workdir
-  (as after a crash: the last periodic save). The smaller cases' runs are `train.main`
-  calls in this process (what differs is the stage, the mesh and the data, not the
-  process boundary); they stop after step k with --stop_after (a stop's own save) and
-  carry the TensorBoard (and W&B) checks of a stopped and resumed workdir.
+  memory). The smaller cases' runs are `train.main` calls in this process (what differs
+  is the stage, the mesh and the data, not the process boundary). The quick start and
+  stage 2 resume from the straight run's periodic checkpoint of step 8, copied to a new
+  workdir (as after a crash: the last periodic save); the SFT case stops after step k
+  with --stop_after (a stop's own save: the same `save` as a periodic one), resumes in
+  the same workdir, and carries the TensorBoard (and W&B) checks of a stopped and resumed
+  workdir.
 
   The straight run's header names its devices, mesh and stage, its losses are finite;
   the quick start's (stage3-fsdp8) loss and held-out loss fall by a nat in the 20 steps.
@@ -235,8 +237,8 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
   Identical metrics at every step (loss, grad norm, learning rate: the warmup + cosine
   schedule resumes too) and bit-identical checkpoints of the whole state (params, Adam
   moments, Kahan buffers, step, rng, loss scale), read back from disk. A stopped and
-  resumed workdir's TensorBoard (and, with the wandb extra, W&B offline, in the stage-2
-  case) has every scalar of metrics.jsonl at its step, once.
+  resumed workdir's TensorBoard (and, with the wandb extra, W&B offline) has every scalar
+  of metrics.jsonl at its step, once.
   """
   k = 10
   extra = ()
@@ -249,9 +251,10 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
             "--config.train.peak_flops=1e12")  # An MFU on CPU too.
   quick_start = config == TINY and not shape
-  if quick_start:  # Keep every periodic save: the resume starts from step 8's.
+  stop = config == SFT_TINY  # Else a resume from the straight run's save of step 8.
+  if not stop:  # Keep every periodic save: the resume starts from step 8's.
     common += ("--config.checkpoint.keep=0",)
-  if HAS_WANDB and stage == 2:  # One case: W&B adds seconds a run.
+  if HAS_WANDB and stop:  # One case: W&B adds seconds a run.
     common += ("--config.logging.wandb.project=zerojax-test",
                "--config.logging.wandb.mode=offline")
   env = train_env()
@@ -278,7 +281,7 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
     assert records[-1]["final_eval_loss"] == evals[-1]
     # The printed lines carry the same numbers.
     assert f"loss {losses[-1]:.4f}" in first.stdout and "final eval loss" in first.stdout
-  if quick_start:  # The straight run's periodic save of step 8, as a crash leaves it.
+  if not stop:  # The straight run's periodic save of step 8, as a crash leaves it.
     start = 8
     shutil.copytree(straight / "checkpoints" / str(start), resumed / "checkpoints" / str(start))
   else:
@@ -299,16 +302,16 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
   first = 1 if start == k else start + 1  # The copied checkpoint brought no metrics.
   assert [r["step"] for r in b] == list(range(first, 2 * k + 1))  # No step twice, none lost.
   assert a[first - 1:] == b
-  if not quick_start:
+  if stop:
     check_writers(resumed, k, wandb="--config.logging.wandb.mode=offline" in common)
   lr = [r["learning_rate"] for r in a]  # Up for 4 steps, then down: resumed mid-cosine.
   assert lr[:5] == sorted(lr[:5]) and lr[4:] == sorted(lr[4:], reverse=True) and lr[-1] < lr[4]
-  # Checkpoints of both workdirs (every 4 steps, keep 3, or all for the quick start; the
-  # stopped run added step k).
+  # Checkpoints of both workdirs (every 4 steps; keep 3 where a run stopped, which added
+  # step k, else all).
   dirs = [w / "checkpoints" for w in (straight, resumed)]
-  kept = ["4", "8", "12", "16", "20"] if quick_start else ["12", "16", "20"]
+  kept = ["12", "16", "20"] if stop else ["4", "8", "12", "16", "20"]
   assert sorted(os.listdir(dirs[0]), key=int) == kept
-  resumed_kept = kept[kept.index(str(start)):] if quick_start else kept
+  resumed_kept = kept if stop else kept[kept.index(str(start)):]
   assert sorted(os.listdir(dirs[1]), key=int) == resumed_kept
   for step in ("12", "16", "20"):
     x, y = checkpoint_leaves(dirs[0] / step), checkpoint_leaves(dirs[1] / step)
@@ -316,18 +319,19 @@ def test_stop_and_resume_is_exact(tmp_path, stage, mesh, config, shape):
     differ = [p for p in x if x[p].dtype != y[p].dtype or x[p].tobytes() != y[p].tobytes()]
     assert not differ, f"step {step}: {differ}"
   assert int(x["step"]) == 2 * k and x["rng"].shape == (2,)
-  if config == SFT_TINY:  # The trained checkpoint answers a prompt (greedy, whole params):
-    # `python -m zerojax.generate`'s main, in this process (test_generate's CLI tests).
-    said = run_main(generate_cli.main, f"--workdir={resumed}", "--prompt=12+30=", "--max_new=8")
-    assert said.returncode == 0, said.stderr[-2000:]
-    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")  # The answer.
+  if config == SFT_TINY:
     # Exported as a complete HF folder: the trained params bit for bit, the tokenizer
     # files (loadable, the same ids), the chat template trained with, bos/eos ids.
-    # In this process: `python -m zerojax.hf.export` as a process is test_hf's.
+    # In this process: `python -m zerojax.hf.export` as a process is test_hf's. The
+    # restore is `export.restore` (the newest checkpoint, at stage 3 over every device,
+    # whatever the run's stage), which `python -m zerojax.generate --workdir` calls too:
+    # its answers from a trained workdir are test_generate's
+    # test_cli_answers_from_a_checkpoint_and_its_hf_folder_with_the_same_ids.
     from zerojax.hf import export
     out = tmp_path / "hf"
-    with contextlib.redirect_stdout(io.StringIO()):
-      assert export.main(["--workdir", str(resumed), "--out", str(out)]) == exits.DONE
+    said = run_main(export.main, "--workdir", str(resumed), "--out", str(out))
+    assert said.returncode == exits.DONE, said.stderr[-2000:]
+    assert said.stdout.startswith(f"restored {resumed}/checkpoints/20\n")
     from safetensors.numpy import load_file
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["model.embed_tokens.weight"].tobytes() == y[
