@@ -105,15 +105,19 @@ def test_a_rejected_resume_keeps_config_json(trained, tmp_path):
   assert (w / "config.json").read_text() == saved
 
 
-@pytest.mark.parametrize("damage,steps,says", [
-    ("truncated", ("4", "8"), "is truncated ("),  # file state/d/... is truncated (N bytes ...)
-    ("no_manifest", ("8",), "its file state/manifest.ocdbt is missing"),
-    ("no_metadata", ("8",), "its file state/_METADATA is missing"),
-])
-def test_damaged_checkpoints_are_one_line_each(trained, tmp_path, env, damage, steps, says):
-  """No TensorStore spec dump, no asyncio leftovers after the error was handled."""
+DAMAGE = {"truncated": "is truncated (",  # file state/d/... is truncated (N bytes ...)
+          "no_manifest": "its file state/manifest.ocdbt is missing",
+          "no_metadata": "its file state/_METADATA is missing"}
+
+
+@pytest.mark.parametrize("damaged", [{"8": "truncated"}, {"8": "no_manifest", "4": "no_metadata"}],
+                         ids=["8-truncated", "all-no_manifest-no_metadata"])
+def test_damaged_checkpoints_are_one_line_each(trained, tmp_path, env, damaged):
+  """No TensorStore spec dump, no asyncio leftovers after the error was handled. Each
+  kind of damage once, in one of two runs: checkpoint 8 damaged (4 restores: done), and
+  both damaged, each its own way (nothing intact: one error line)."""
   w = copy(trained, tmp_path)
-  for step in steps:
+  for step, damage in damaged.items():
     state = w / "checkpoints" / step / "state"
     if damage == "truncated":
       for d, _, files in os.walk(state):
@@ -124,9 +128,11 @@ def test_damaged_checkpoints_are_one_line_each(trained, tmp_path, env, damage, s
   # train.steps=4: once checkpoint 4 is restored there is nothing to train.
   result = run_train(*COMMON, "--config.train.steps=4", f"--workdir={w}", env=env)
   skipped = [l for l in result.stdout.splitlines() if "skipped, damaged" in l]
-  assert len(skipped) == len(steps) and all(says in l for l in skipped), result.stdout[-3000:]
+  assert len(skipped) == len(damaged) and all(
+      any(f"checkpoint step {step} skipped" in l and DAMAGE[damage] in l for l in skipped)
+      for step, damage in damaged.items()), result.stdout[-3000:]
   assert "tensorstore_spec" not in result.stdout
-  if damage == "truncated":  # Both: nothing intact.
+  if "4" in damaged:  # Both: nothing intact.
     assert result.returncode == exits.BAD_INPUT
     assert "are all damaged" in one_error_line(result.stderr)
   else:
