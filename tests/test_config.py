@@ -13,6 +13,7 @@ from zerojax import config as zc
 from zerojax.config import checks
 
 from conftest import FAST_COMPILE
+from test_train import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = os.path.join(REPO, "configs", "base.py")
@@ -205,9 +206,10 @@ def test_missing_file_and_missing_get_config(tmp_path):
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, "-m", "zerojax.config", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=60)
+  """`python -m zerojax.config`'s `main` in this process (`test_train.run_main`: the exit
+  status, stdout and stderr). The module run as a process, from an installed wheel, is
+  test_non_editable_install_loads_configs_from_anywhere's."""
+  return run_main(zc.main, *args)
 
 
 def test_cli_bad_config_exits_2_without_traceback(tmp_path):
@@ -222,7 +224,7 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
 
 
 def test_cli_prints_resolved_config():
-  result = _run_cli("--config", "configs/tiny.py", "--config.zero.stage=1", "--num_devices", "8")
+  result = _run_cli("--config", TINY, "--config.zero.stage=1", "--num_devices", "8")
   assert result.returncode == 0, result.stderr
   assert "stage: 1" in result.stdout and "(1, 1, 8)" in result.stdout
 
