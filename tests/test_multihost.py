@@ -127,7 +127,9 @@ def losses(workdir) -> dict[int, float]:
   path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return {}
-  records = [json.loads(line) for line in open(path)]
+  # Whole records only: a writer SIGKILLed mid-write (`two_from_one`'s process 0) may
+  # leave its last record without its newline.
+  records = [json.loads(line) for line in open(path).read().split("\n")[:-1]]
   return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
