@@ -49,9 +49,11 @@ mutate release_is_normal zerojax/release.py \
   "mean_scale = jnp.asarray((1.0 + 1e-4) / plan.num_data, reduce_dtype)" \
   tests/test_release.py::test_release_step_equals_the_normal_step
 # Offload = no offload: what comes back from host memory is one bf16 ulp off (optimizer
-# state, then parameters).
+# state, then parameters), every float leaf: bf16's numpy kind is 'V', so the kind test
+# this once used ('f') mutated only the fp32 leaves and no bf16 case could catch it.
 OFFLOADED="lambda x, m: jax.device_put((x.astype(jax.numpy.float32) * (1 + 2**-7)).astype(x.dtype)
-  if x.dtype.kind == 'f' and space == jax.memory.Space.Device else x, space) if m and x.size else x"
+  if jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and space == jax.memory.Space.Device
+  else x, space) if m and x.size else x"
 mutate optimizer_offload zerojax/streaming/memory.py \
   "lambda x, m: jax.device_put(x, space) if m and x.size else x" "$OFFLOADED" \
   tests/test_offload.py::test_offloaded_step_equals_the_normal_step
