@@ -65,12 +65,13 @@ def build(config, devices=None) -> Built:
                       key="mesh.sequence_parallel",
                       fix="keep each fsdp group in one host: mesh.data = the number of hosts")
   model = models.from_config(c)
+  axes = model.logical_axes()  # A trace of the model's init: once, not once a reader.
   tx, schedule = optim.optimizer_from_config(
-      c.optimizer, t.steps, mask=optim.decay_mask(model.logical_axes()), seed=c.seed)
+      c.optimizer, t.steps, mask=optim.decay_mask(axes), seed=c.seed)
   loss_scaling = precision.loss_scaling_from_config(c.precision)
   check_offload(c, mesh.devices.flat[0])
   plan = zerojax.make_plan(mesh, c.zero.stage, jax.eval_shape(model.init, jax.random.key(c.seed)),
-                           tx, logical_axes=model.logical_axes(),
+                           tx, logical_axes=axes,
                            min_shard_size=c.zero.min_shard_size,
                            offload=c.optimizer.offload == "host",
                            param_offload=c.zero.param_offload == "host",
