@@ -15,9 +15,9 @@ heads, 8 KV heads), with what differs:
 
 The parameter shards stay on the device (ZeRO-3 over 8: 94.5 GiB), so only the optimizer
 state and the saved inputs cross PCIe. Compiled by XLA's GPU compiler for 8 x H200 (the
-second command, no GPU needed, nothing allocated): 120.06 GiB a device, where XLA's
+second command, no GPU needed, nothing allocated): 120.52 GiB a device, where XLA's
 allocator has 132.43 GiB of an H200 as train.py runs it; + 204.74 GiB of host memory a
-device (1.60 TiB a node). The planner's estimate is 116.95 GiB (0.974). Its bus line: 440 GB
+device (1.60 TiB a node). The planner's estimate is 116.95 GiB (0.970). Its bus line: 440 GB
 over PCIe a step and device, 4.40 s at 50 GB/s against 25.61 s of compute at 40% MFU:
 the copies hide from one sequence a device (32,768 tokens a step).
 None of this has run on an H200: these are compiled bytes and the planner's arithmetic.

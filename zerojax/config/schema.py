@@ -105,12 +105,11 @@ _ROWS = (
     Field("precision.reduce_dtype", "float32", "Cross-device gradient reductions.", choices=DTYPES),
     Field("precision.accum_dtype", "float32", "Gradient accumulation over microbatches.",
           choices=DTYPES),
-    Field("precision.upcast_params", "gathered", "Params the model sees in reduce_dtype "
-          "(values unchanged, cast at each matmul), so their weight gradients are never "
-          "rounded to param_dtype: 'gathered' (stage 3's and release's layer stacks, a layer "
-          "at a time: within 0.5 GiB at 70B), 'all' (every param: whole fp32 gradients, "
-          "+8.1 GiB a device for the 70B on 8 x H100) or 'none' (JAX's bf16 weight "
-          "gradients).", choices=("none", "gathered", "all")),
+    Field("precision.upcast_params", "none", "Params the model sees in reduce_dtype (values "
+          "unchanged, cast at each matmul), so their weight gradients are never rounded to "
+          "param_dtype: 'gathered' (stage 3's layer stacks, a layer at a time: within 0.5 GiB "
+          "at 70B), 'all' (every param: whole fp32 gradients, +8.1 GiB a device for the 70B "
+          "on 8 x H100) or 'none'.", choices=("none", "gathered", "all")),
     Field("precision.max_consecutive_skips", 10, "Stop after this many non-finite steps in a row; "
           "0 = never.", range=NON_NEGATIVE),
     Field("precision.loss_scale.initial_power", 16, "The first scale is 2**initial_power.",
