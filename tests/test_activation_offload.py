@@ -10,12 +10,15 @@ the device's temporaries fall by all but a few layers of them, and every read ba
 flight while the previous layer's backward pass computes.
 """
 
+import json
+
 import jax
 import pytest
 
 from zerojax import build
 from zerojax.config import ConfigError, load_config
 from zerojax.gpu import compile as gpu_compile, targets
+from zerojax.memory import report as memory_report
 from zerojax.testing import hlo
 
 from test_offload import MOVE_ONLY, NoHostMemory, host_uses
@@ -89,10 +92,6 @@ def test_on_a_gpu_the_saved_inputs_live_in_host_memory_and_arrive_one_layer_ahea
   below is that compile): the planner's host bytes are the compiled host temporaries
   exactly, and the buffers at the peak are read from the device's temporaries (XLA
   writes the host ones as a second, color-5 allocation)."""
-  import json  # (here: the rest of this file is another's edit)
-
-  from zerojax.memory import report as memory_report
-
   layers, seq, width = 6, 4096, 256
   overrides = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
                f"model.n_layers={layers}", f"train.seq_len={seq}", "train.global_batch_size=1",
