@@ -197,6 +197,7 @@ class Checkpointer:
     getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     self._closed, self._failed = False, False
     orbax_quirks.let_tasks_end()
+    orbax_quirks.no_replica_parallel_on_cpu(jax.default_backend())
     # orbax logs a failed write from each of its threads, traceback and all; `SaveError`
     # says it in one line.
     self._quiet = orbax_quirks.OrbaxErrors()

@@ -4,7 +4,8 @@ orbax reports a failed read or write as TensorStore's message (with its whole sp
 JSON) or a chain of exceptions, logs each failed write's traceback from its own thread,
 and closes its event loop with sibling writes still running. `zerojax.checkpoint` turns
 the first into one line (`cause`), filters the second while a `Checkpointer` is open
-(`OrbaxErrors`), and runs orbax's coroutines to their end (`let_tasks_end`).
+(`OrbaxErrors`), and runs orbax's coroutines to their end (`let_tasks_end`); on XLA:CPU
+it saves replicated arrays from one replica (`no_replica_parallel_on_cpu`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import re
 import threading
 from typing import Any
 
+import jax
+import orbax.checkpoint as ocp
 from orbax.checkpoint._src import asyncio_utils as orbax_asyncio
 
 # TensorStore ends its messages with annotations such as its whole spec as JSON
@@ -112,6 +115,29 @@ def let_tasks_end() -> None:
   `_run_to_the_end`, for good: a loop whose tasks all ended is all orbax expects."""
   if hasattr(orbax_asyncio, "_run_sync_via_new_loop"):  # Else another orbax: its own way.
     orbax_asyncio._run_sync_via_new_loop = _run_to_the_end  # pylint: disable=protected-access
+
+
+def no_replica_parallel_on_cpu(backend: str) -> None:
+  """On XLA:CPU, orbax saves each replicated array whole from one replica, not a slice
+  from each (its `use_replica_parallel`, on by default unless JAX_PLATFORMS names a GPU).
+
+  Every CPU device is host memory, so slicing a replicated array across its replicas
+  parallelizes no transfer; it only compiles a slice program per leaf shape (32 at the
+  tiny run's first save: a cold 20-step run 7.0 -> 6.0 s of CPU, a cached one 5.1 ->
+  4.7). The bytes written are the same. A GPU keeps orbax's choice (its replicas' copies
+  to host run over their own links). Process-wide: orbax's handler registry is global.
+  """
+  handler = ocp.type_handlers.get_type_handler(jax.Array)
+  if backend != "cpu" or getattr(handler, "_use_replica_parallel", None) is False:
+    return
+  absl = logging.getLogger("absl")  # orbax warns of the override on stderr: expected here.
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  finally:
+    absl.setLevel(level)
 
 
 class OrbaxErrors(logging.Filter):
