@@ -28,21 +28,14 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 import zerojax  # noqa: E402
 from zerojax.models.llama import LlamaConfig, LlamaLM, cast_matmul  # noqa: E402
 from zerojax.runtime.devices import fake_cpu_devices  # noqa: E402
+from zerojax.testing import numerics  # noqa: E402
 
 UPCAST = ("none", "gathered", "all")
 CASES = ((0, 1), (3, 1), (3, 2))  # (stage, microbatches)
-
-
-def keep_gradient() -> optax.GradientTransformation:
-  """An optax transform whose state is the step's mean gradient (fp32); no update."""
-  return optax.GradientTransformation(
-      lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-      lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
 
 
 def main() -> None:
@@ -53,20 +46,11 @@ def main() -> None:
   fake_cpu_devices(8)
   kw = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
             attention_block=32, loss_chunk=32)
-  model, tx = LlamaLM(LlamaConfig(**kw)), keep_gradient()
+  model, tx = LlamaLM(LlamaConfig(**kw)), numerics.keep_gradient()
   params = model.init(jax.random.key(0))
   batch = {"tokens": jax.random.randint(jax.random.key(1), (16, 129), 0, 256)}
-  with jax.enable_x64(True):
-    wide = LlamaLM(LlamaConfig(**kw, param_dtype=jnp.float64, compute_dtype=jnp.float64))
-    ref = jax.jit(jax.grad(wide.loss))(
-        jax.tree.map(lambda x: np.asarray(x, np.float64), params), batch)
-    ref = jax.tree.map(np.asarray, ref)
-
-  def errors(grads):
-    return {jax.tree_util.keystr(k): float(np.linalg.norm(np.float64(g) - r) / np.linalg.norm(r))
-            for (k, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                 jax.tree.leaves(ref), strict=True)
-            if "kernel" in jax.tree_util.keystr(k)}
+  wide = LlamaLM(LlamaConfig(**kw, param_dtype=jnp.float64, compute_dtype=jnp.float64))
+  ref = numerics.float64_grads(wide.loss, params, batch)
 
   rms = lambda e: float(np.sqrt(np.mean(np.square(list(e.values())))))  # noqa: E731
   shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -80,7 +64,7 @@ def main() -> None:
                                  params=jax.tree.map(jnp.copy, params))
       step = zerojax.make_train_step(plan, model.loss, tx, microbatches=microbatches,
                                      upcast_params=upcast, donate=False)
-      found = errors(step(state, batch)[0].opt_state)
+      found = numerics.relative_errors(step(state, batch)[0].opt_state, ref)
       row[upcast] = {"rms": rms(found), "kernels": found}
     for upcast in UPCAST[1:]:
       row[f"ratio_{upcast}"] = row[upcast]["rms"] / row["none"]["rms"]

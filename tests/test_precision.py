@@ -19,6 +19,7 @@ from zerojax.models.llama import LlamaConfig, LlamaLM
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.optim import precision
 from zerojax.optim.precision import LossScaling, NonFiniteError
+from zerojax.testing import numerics
 
 from test_train import train_here
 
@@ -429,16 +430,7 @@ def test_train_fp16_that_never_becomes_finite_still_exits_3_after_calibration():
          "calibrating from 2^40: not counted)" in result.stdout
 
 
-
 # --- Weight gradients in fp32 (`upcast_params`) -----------------------------------------
-
-
-def _keep_gradient() -> optax.GradientTransformation:
-  """A transform whose state is the step's mean gradient (fp32, mirroring the params, so
-  the plan shards it like a moment) and whose update is zero."""
-  return optax.GradientTransformation(
-      lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-      lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), g))
 
 
 def test_fp32_weight_gradients_are_closer_to_float64():
@@ -449,13 +441,11 @@ def test_fp32_weight_gradients_are_closer_to_float64():
   (docs/design/precision.md: 'Weight gradients in fp32')."""
   kw = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64,
             attention_block=8, loss_chunk=8)
-  model, tx = LlamaLM(LlamaConfig(**kw)), _keep_gradient()
+  model, tx = LlamaLM(LlamaConfig(**kw)), numerics.keep_gradient()
   params = model.init(jax.random.key(0))
   batch = {"tokens": jax.random.randint(jax.random.key(1), (8, 33), 0, 64)}
-  with jax.enable_x64(True):
-    wide = LlamaLM(LlamaConfig(**kw, param_dtype=jnp.float64, compute_dtype=jnp.float64))
-    ref = jax.jit(jax.grad(wide.loss))(jax.tree.map(lambda x: np.asarray(x, np.float64),
-                                                    params), batch)
+  wide = LlamaLM(LlamaConfig(**kw, param_dtype=jnp.float64, compute_dtype=jnp.float64))
+  ref = numerics.float64_grads(wide.loss, params, batch)
   plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 3, jax.eval_shape(model.init,
                                                                       jax.random.key(0)),
                            tx, logical_axes=model.logical_axes(), min_shard_size=0)
@@ -465,11 +455,7 @@ def test_fp32_weight_gradients_are_closer_to_float64():
                                params=jax.tree.map(jnp.copy, params))
     step = zerojax.make_train_step(plan, model.loss, tx, upcast_params=upcast, donate=False)
     grads = step(state, batch)[0].opt_state
-    errors[upcast] = {jax.tree_util.keystr(k): float(np.linalg.norm(np.float64(g) - r)
-                                                     / np.linalg.norm(r))
-                      for (k, g), r in zip(jax.tree_util.tree_leaves_with_path(grads),
-                                           jax.tree.leaves(ref), strict=True)
-                      if "kernel" in jax.tree_util.keystr(k)}
+    errors[upcast] = numerics.relative_errors(grads, ref)
   rms = {u: np.sqrt(np.mean(np.square(list(e.values())))) for u, e in errors.items()}
   assert all(errors["all"][k] < errors["none"][k] for k in errors["none"]), errors
   assert rms["all"] / rms["none"] < 0.98, rms

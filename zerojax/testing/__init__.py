@@ -4,7 +4,8 @@ outside this package imports it (tests/test_imports.py checks).
 The test tooling room; it imports the runtime and the streaming room.
 
 `hlo`: the collectives of a step, read from its HLO text (what is communicated, in
-which dtype, how often per step); `markdown_table`: the tables the benchmarks print;
+which dtype, how often per step); `numerics`: a step's gradient against float64;
+`markdown_table`: the tables the benchmarks print;
 `DEFAULT_EMITTERS`: XLA:CPU's default code generation, for one compile.
 """
 
