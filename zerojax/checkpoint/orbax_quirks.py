@@ -11,6 +11,7 @@ it saves replicated arrays from one replica (`no_replica_parallel_on_cpu`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -117,6 +118,7 @@ def let_tasks_end() -> None:
     orbax_asyncio._run_sync_via_new_loop = _run_to_the_end  # pylint: disable=protected-access
 
 
+@functools.cache  # Once a process: the registry keeps it.
 def no_replica_parallel_on_cpu(backend: str) -> None:
   """On XLA:CPU, orbax saves each replicated array whole from one replica, not a slice
   from each (its `use_replica_parallel`, on by default unless JAX_PLATFORMS names a GPU).
@@ -127,8 +129,7 @@ def no_replica_parallel_on_cpu(backend: str) -> None:
   4.7). The bytes written are the same. A GPU keeps orbax's choice (its replicas' copies
   to host run over their own links). Process-wide: orbax's handler registry is global.
   """
-  handler = ocp.type_handlers.get_type_handler(jax.Array)
-  if backend != "cpu" or getattr(handler, "_use_replica_parallel", None) is False:
+  if backend != "cpu":
     return
   absl = logging.getLogger("absl")  # orbax warns of the override on stderr: expected here.
   level = absl.level
