@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,7 +26,7 @@ import zerojax.train
 from zerojax.memory import report as memory_report
 from zerojax.run import launch
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+from zerojax.runtime.devices import fake_cpu_devices, fake_devices_env
 
 from test_train import run_main as here
 
@@ -166,3 +167,19 @@ def test_help_prints_usage_and_exits_0(main):
   assert result.returncode == 0 and result.stdout.startswith("usage:"), result.stderr[-2000:]
   if main is not launch.main:  # The launcher takes no config; the others say how.
     assert "--config PATH" in result.stdout and "--config.KEY VALUE" in result.stdout
+
+
+def test_fake_devices_asked_again_once_jax_runs_are_kept_or_refused():
+  """This process runs JAX on 8 fake CPU devices (conftest, without the memory flags):
+  asking for them again returns quietly and writes nothing (one process may run several
+  `zerojax.memory` or train.py mains); other devices, or flags the running backend lacks
+  (train.py's memory flags), are refused, naming what runs."""
+  assert jax.device_count() == 8  # A backend runs.
+  flags = os.environ["XLA_FLAGS"]
+  fake_cpu_devices(8, memory_flags=False)
+  assert os.environ["XLA_FLAGS"] == flags
+  with pytest.raises(RuntimeError, match="JAX already runs 8 cpu device"):
+    fake_cpu_devices(4, memory_flags=False)
+  with pytest.raises(RuntimeError, match="without the XLA flags .*xla_cpu_scheduler_type"):
+    fake_cpu_devices(8)
+  assert os.environ["XLA_FLAGS"] == flags

@@ -5,21 +5,42 @@ sharded (`init_state`), and one pure, jitted train step for stages 0-3
 (`make_train_step`). Models whose layers run under a scan call `gather` on each
 layer's params so that stage 3 gathers one layer at a time; `from_nnx` puts a Flax NNX
 module on the plan.
+
+The names are imported on first use (PEP 562), as are the rooms (`zerojax.stage3`, ...):
+`import zerojax.run.launch` (`zerojax-launch`, which only starts processes) and
+`zerojax.runtime.exits` import no JAX (1.1 s of CPU a start); `from zerojax import
+make_plan` and `zerojax.make_plan` import what they name.
 """
 
-from zerojax.mesh import make_mesh
-from zerojax.stage3 import Sharded, gather
-from zerojax.step import TrainState, abstract_state, init_state, make_eval_step, make_train_step
-from zerojax.zero import StageBehaviour, ZeroPlan, flax_logical_axes, make_plan
+import importlib
+import importlib.util
 
-__all__ = ["NnxModel", "Sharded", "StageBehaviour", "TrainState", "ZeroPlan", "abstract_state",
-           "flax_logical_axes", "from_nnx", "gather", "init_state", "make_eval_step", "make_mesh",
-           "make_plan", "make_train_step"]
+# Each name and the module that defines it. `from_nnx` imports flax.nnx (0.2 s): only
+# programs with an NNX model pay for it.
+_NAMES = {
+    "make_mesh": "zerojax.mesh",
+    "Sharded": "zerojax.stage3", "gather": "zerojax.stage3",
+    "TrainState": "zerojax.step", "abstract_state": "zerojax.step", "init_state": "zerojax.step",
+    "make_eval_step": "zerojax.step", "make_train_step": "zerojax.step",
+    "StageBehaviour": "zerojax.zero", "ZeroPlan": "zerojax.zero",
+    "flax_logical_axes": "zerojax.zero", "make_plan": "zerojax.zero",
+    "NnxModel": "zerojax.models.flax_nnx", "from_nnx": "zerojax.models.flax_nnx",
+}
+
+__all__ = sorted(_NAMES)
 
 
 def __getattr__(name):
-  # `from_nnx` imports flax.nnx (0.2 s); only programs with an NNX model pay for it.
-  if name in ("NnxModel", "from_nnx"):
-    from zerojax.models import flax_nnx  # noqa: PLC0415  optional cost: flax.nnx, 0.2 s
-    return getattr(flax_nnx, name)
+  if name in _NAMES:
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value  # Looked up once.
+    return value
+  # A room not imported yet (`import zerojax` then `zerojax.optim.lion`), as when this
+  # module imported the core eagerly.
+  if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")
   raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted({*globals(), *_NAMES})

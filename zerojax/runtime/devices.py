@@ -10,8 +10,6 @@ import os
 import sys
 from collections.abc import Mapping
 
-from zerojax.runtime import jax_internals
-
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # XLA:CPU flags that make compiled memory resemble a GPU's: the memory-optimizing
@@ -37,6 +35,11 @@ def fake_devices_env(n: int, *flags: str,
   return env
 
 
+def _parsed(flags: list[str]) -> dict[str, str]:
+  """{flag: value} of XLA flags as XLA reads them (the last of a repeated flag wins)."""
+  return dict((f.split("=", 1) + [""])[:2] for f in flags)
+
+
 def fake_cpu_devices(n: int, *flags: str, memory_flags: bool = True) -> None:
   """Runs this process's JAX on `n` fake CPU devices (see `fake_devices_env`).
 
@@ -47,14 +50,29 @@ def fake_cpu_devices(n: int, *flags: str, memory_flags: bool = True) -> None:
       expects (train.py and the planner); the tests compile faster without them.
 
   XLA reads XLA_FLAGS once, when JAX first starts a backend: call this before any
-  device or compile work (importing jax is fine; `jax.devices()` is too late).
+  device or compile work (importing jax is fine; `jax.devices()` is too late). Once a
+  backend runs, a call it already satisfies (a CPU backend of `n` devices, every flag
+  asked for already in XLA_FLAGS with its value) returns quietly: one process may run
+  several `zerojax.memory` or `train.py` mains with the same devices.
 
   Raises:
-    RuntimeError: a JAX backend is already running.
+    RuntimeError: a JAX backend already runs with other devices or flags.
   """
+  # Imported here: the launcher imports this module for `fake_devices_env` and starts
+  # processes only; JAX's import would be 1.1 s of its CPU a start.
+  from zerojax.runtime import jax_internals  # noqa: PLC0415  JAX's import off the launcher
+  wanted = [*(CPU_MEMORY_FLAGS if memory_flags else ()), *flags]
   if jax_internals.backends_started():
-    raise RuntimeError("fake_cpu_devices must run before JAX starts a backend "
-                       "(before jax.devices() or any computation)")
-  os.environ.update(fake_devices_env(n, *(CPU_MEMORY_FLAGS if memory_flags else ()), *flags))
+    jax = sys.modules["jax"]
+    running = _parsed(os.environ.get("XLA_FLAGS", "").split())
+    missing = sorted(f for f, v in _parsed(wanted).items() if running.get(f) != v)
+    if jax.default_backend() != "cpu" or jax.local_device_count() != max(n, 1) or missing:
+      raise RuntimeError(
+          f"fake_cpu_devices({n}) must run before JAX starts a backend (before "
+          f"jax.devices() or any computation): JAX already runs {jax.local_device_count()} "
+          f"{jax.default_backend()} device(s)"
+          + (f" without the XLA flags {missing}" if missing else ""))
+    return
+  os.environ.update(fake_devices_env(n, *wanted))
   if "jax" in sys.modules:  # JAX_PLATFORMS is read when jax is imported.
     sys.modules["jax"].config.update("jax_platforms", "cpu")
