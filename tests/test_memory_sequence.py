@@ -4,6 +4,7 @@ sequence for H / fsdp heads, the all-to-all bytes, activation offload and the ti
 the longest sequence that fits; checked against the step compiled on 8 fake CPU devices."""
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -13,7 +14,7 @@ from zerojax import build, memory, sequence
 from zerojax.config import load_config
 from zerojax.testing import hlo
 
-from test_memory import CONFIGS, config, run_cli
+from test_memory import CONFIGS, config, run_clis
 
 GIB = 2**30
 SP = ("mesh.sequence_parallel=True", "mesh.data=1")
@@ -118,14 +119,25 @@ def test_the_longest_sequence_is_the_longest_multiple_that_fits():
   assert memory.longest_sequence(c, 8, 8 * GIB) is None  # The state alone is 7.5 GiB.
 
 
+@functools.cache
+def compiled_runs() -> dict[str, dict]:
+  """`python -m zerojax.memory ... --compile` on 8 devices, in one child (the next two
+  tests): the tiny Llama's longest sequence for 12 MiB with sequence parallelism, and
+  the 8B with one 32768-token sequence a device without it."""
+  longest, big = run_clis(
+      ["--config", os.path.join(CONFIGS, "tiny.py"), "--devices", "8",
+       "--device-memory", "12MiB", "--longest-sequence", *(f"--config.{x}" for x in (*TINY, *SP))],
+      ["--config", os.path.join(CONFIGS, "8b_bf16.py"), "--devices", "8",
+       "--config.train.seq_len=32768", "--config.mesh.data=1"])
+  return {"longest": longest, "8b": big}
+
+
 def test_the_longest_sequence_compiled_fits_and_the_estimate_is_within_5_percent():
   """`python -m zerojax.memory --longest-sequence --compile` on the tiny Llama: the length
   the planner finds for 12 MiB compiles (XLA:CPU, 8 fake devices) to at most 12 MiB; the
   estimate is within 5% of the compiled bytes (measured 1.016 at 5120 positions), the saved
   activations (one slice of T / 8 positions a layer) and the arguments exactly."""
-  r = run_cli("--config", os.path.join(CONFIGS, "tiny.py"), "--devices", "8",
-              "--device-memory", "12MiB", "--longest-sequence",
-              *(f"--config.{x}" for x in (*TINY, *SP)))
+  r = compiled_runs()["longest"]
   s, compiled = r["setup"], r["compiled"]["arguments"] + r["compiled"]["temporaries"]
   assert s["seq_len"] > 128 and s["seq_len"] % (8 * s["loss_chunk"]) == 0
   assert compiled <= 12 * 2**20 and r["fits"]
@@ -143,8 +155,7 @@ def test_one_long_sequence_a_device_without_sequence_parallelism_within_5_percen
   parallelism) compiled by XLA:CPU: the layer's backward is the long-context reading,
   the estimate within 5% (measured 1.022; 1.873 when the attention term grew with
   T / attention_block)."""
-  r = run_cli("--config", os.path.join(CONFIGS, "8b_bf16.py"), "--devices", "8",
-              "--config.train.seq_len=32768", "--config.mesh.data=1")
+  r = compiled_runs()["8b"]
   compiled = r["compiled"]["arguments"] + r["compiled"]["temporaries"]
   assert r["peak_phase"] == "layer backward" and not r["setup"]["sequence_parallel"]
   assert 0.95 < r["total"] / compiled < 1.05, (r["total"], compiled)

@@ -2,7 +2,6 @@
 each saves the values it names, and the planner counts their bytes. (That every policy
 keeps the math: test_llama's blocked-attention test runs each.)"""
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import io
@@ -17,7 +16,7 @@ from zerojax import memory, models
 from zerojax.config import load_config
 from zerojax.models import llama, remat
 
-from test_memory import CONFIGS, run_cli
+from test_memory import CONFIGS, run_clis
 
 BY_NAME = [p for p in remat.POLICIES if remat.SAVED[p] is not None]
 
@@ -68,10 +67,9 @@ def test_planner_counts_each_policy_like_the_compiler():
   compiled for every policy (XLA keeps the tiny config's small layers whole); the 1B's
   table is in docs/design/planner.md."""
   policies = ["save_dot_with_context_except_mlp", "save_qkv_proj", "full"]  # Most saved first.
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    results = dict(zip(policies, pool.map(lambda p: run_cli(
-        "--config", os.path.join(CONFIGS, "tiny.py"), "--devices", "8",
-        f"--config.model.remat={p}"), policies)))
+  results = dict(zip(policies, run_clis(*([
+      "--config", os.path.join(CONFIGS, "tiny.py"), "--devices", "8",
+      f"--config.model.remat={p}"] for p in policies))))
   full = results["full"]
   for policy, r in results.items():
     assert r["attributed"]["saved activations"] == r["components"]["saved activations"], policy
