@@ -2,8 +2,9 @@
 HLO checks of the XLA:CPU tests run again on the GPU-compiled modules.
 
 Needs JAX's CUDA plugin (the `gpu-compile` extra; .ci/run installs it), not a GPU. The
-matrix compiles configs/tiny.py (and configs/sft_tiny.py) for 8 x H100; each case
-checks what its recipe promises in the compiled module.
+matrix compiles configs/tiny.py (and configs/sft_tiny.py) for 8 x H100 (one case for 8 x
+H200, the kernel cache's check across GPU models); each case checks what its recipe
+promises in the compiled module.
 """
 
 import json
@@ -72,7 +73,10 @@ MATRIX = {
     # reduction, which stage1 above and offload-stage2 compile): offload at stages 2 and 3.
     # The state's placement and the mesh are different parts of the step: stage 3's
     # offload on 2 hosts of 4 (its reductions within a host's 4 devices, then across).
-    "offload-stage2": ("tiny", ["zero.stage=2", "optimizer.offload=host"], H100),
+    # For an H200 (an H100's compute capability, sm_90, with more memory): compiled with
+    # the kernels the H100 cases above left in the kernel cache, which the kernel-cache
+    # test compares with a compile without it.
+    "offload-stage2": ("tiny", ["zero.stage=2", "optimizer.offload=host"], "h200:8"),
     "offload-stage3-hybrid-2-hosts": ("tiny", ["zero.stage=3", "optimizer.offload=host",
                                                "mesh.data=2", "mesh.fsdp=4"], "h100:2x4"),
 }
@@ -206,11 +210,17 @@ def test_offload_keeps_the_state_on_the_host_of_a_gpu_where_the_step_would_not_f
 
 
 def test_reusing_kernels_changes_nothing_the_tests_read():
-  """`compile_jitted` reuses the kernels this session's earlier compiles made (XLA's
-  kernel cache file, ~30% of a matrix compile's CPU); compiled without it, the same step
-  is the same optimized module with the same bytes, host buffers included."""
-  spec = targets.parse(H100)
-  config, built, cached = compile_config("tiny", ["zero.stage=2", "optimizer.offload=host"], H100)
+  """`compile_jitted` reuses the kernels this session's earlier compiles made for the
+  target's compute capability (XLA's kernel cache file, ~30% of a matrix compile's CPU),
+  another GPU model's included: the matrix's H200 case is compiled with the kernels its
+  H100 cases made (both sm_90). Compiled without the file, the same step is the same
+  optimized module with the same bytes, host buffers included."""
+  h100, spec = targets.parse(H100), targets.parse(MATRIX["offload-stage2"][2])
+  assert spec.target.name != h100.target.name
+  assert spec.target.compute_capability == h100.target.compute_capability
+  assert gpu_compile._kernel_cache(spec) == gpu_compile._kernel_cache(h100)
+  assert list(MATRIX).index("offload-stage2") > [t for *_, t in MATRIX.values()].index(H100)
+  config, built, cached = compile_config(*MATRIX["offload-stage2"])
   assert os.path.getsize(gpu_compile._kernel_cache(spec)["xla_gpu_kernel_cache_file"]) > 0
   fresh = gpu_compile.compile_jitted(built.train_step, (built.abstract_state, built.abstract_batch),
                                      built.mesh, spec, gpu_compile.profile_options(config),
