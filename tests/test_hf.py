@@ -19,7 +19,8 @@ from zerojax.hf import export
 from zerojax.models import llama
 from zerojax.models.llama import LlamaLM
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+
+from test_train import train_here
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(V=64, D=32, L=2, H=4, K=2, F=64)
@@ -312,15 +313,6 @@ def test_seq_len_past_max_position_embeddings_is_a_warning(tmp_path):
 TRAIN_ARGS = [os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.py")]
 
 
-def run_train(*args):
-  """train.py on 8 CPU devices, LLVM at -O0: compiling the step is most of a run this
-  small and -O0 takes about 2/3 of the CPU time; the same XLA program, its losses equal
-  to the last bit in a check (other values at most a few ulps off, far below 1e-5)."""
-  env = fake_devices_env(8, "--xla_backend_optimization_level=0")
-  return subprocess.run([sys.executable, *TRAIN_ARGS, *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=180)
-
-
 def test_train_init_from_hf(tmp_path, capsys):
   from zerojax import data
   from zerojax.config import base_config
@@ -338,7 +330,9 @@ def test_train_init_from_hf(tmp_path, capsys):
               "--config.train.seq_len=16", "--config.train.log_every=1",
               "--config.train.eval_every=0", "--config.train.eval_batches=1",
               f"--config.init_from={tmp_path / 'hf'}", f"--config.workdir={tmp_path / 'run'}"]
-  result = run_train(*model_args, *run_args)
+  # train.py's main in this process (`test_train.train_here`: its 8 CPU devices, no JAX
+  # start): what is tested is the import and the first loss, not a process boundary.
+  result = train_here(*TRAIN_ARGS[1:], *model_args, *run_args)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "warning: train.seq_len=16 is longer than max_position_embeddings=8" in result.stdout
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
