@@ -28,7 +28,8 @@ measurement, an out-of-memory or a hang costs one row, not the run):
    proof that the device bytes fall by the optimizer state (XLA:CPU cannot show it).
 5. **parameter offload** (`--param-offload`, default 8b): the step with gradient release,
    then the same with `zero.param_offload=host` and `optimizer.offload=host` (what
-   `configs/8b_1x4090.py` runs): step time and device peak with and without the copies.
+   `configs/8b_1x4090.py` runs): step time and device peak with and without the copies;
+   on a GPU once more with 32 host copies in flight (XLA's default: 2).
 
 The run stops starting new measurements when `--budget` seconds are spent; results are
 written after every measurement, so a run cut short keeps what it measured.
@@ -71,6 +72,9 @@ CPU_SHAPES = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
 # Sequences per step on one GPU: the configs' 8 x 4096 for 1B; 4 for 8B, whose Kahan
 # AdamW state (8 B/param) and fp32 gradients (4 B/param) already take ~96 GB.
 GPU_BATCH = {"1b": 8, "8b": 4}
+# How many asynchronous computations (a host copy is one) XLA's GPU scheduler keeps in
+# flight; its default is 2.
+ASYNC_LIMIT = "xla_gpu_experimental_parallel_async_compute_limit"
 
 
 def parse_args(argv=None):
@@ -320,10 +324,12 @@ def _is_oom(text: str) -> bool:
 # --- Parent: schedule, budget, tables --------------------------------------------------
 
 
-def child_env(cpu: bool) -> dict:
+def child_env(cpu: bool, xla: tuple[str, ...] = ()) -> dict:
   from zerojax.runtime.devices import fake_devices_env
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
+  if xla:  # A variant's own XLA flags, beside the user's (train.py's profile adds its own).
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla]).strip()
   # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
   # (zerojax.runtime.devices.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
   return fake_devices_env(1, base=env) if cpu else env
@@ -334,7 +340,8 @@ def spawn(spec: dict, timeout: float, cpu: bool) -> dict:
   start = time.perf_counter()
   try:
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout, env=child_env(cpu),
+                       capture_output=True, text=True, timeout=timeout,
+                       env=child_env(cpu, tuple(spec.get("xla_flags", ()))),
                        cwd=ROOT, check=False)
   except subprocess.TimeoutExpired as e:
     tail = (e.stderr or b"")[-1500:]
@@ -402,14 +409,20 @@ def main(argv=None):
               for c in args.offload.split(",") if c in configs]
   release = ("optimizer.release=True", "optimizer.grad_clip=0")
   for c in (c for c in args.param_offload.split(",") if c in configs):
+    offloads = (*release, "zero.param_offload=host", "optimizer.offload=host")
     variants += [(c, remats[c][0], "release", release),
-                 (c, remats[c][0], "release + param and optimizer offload",
-                  (*release, "zero.param_offload=host", "optimizer.offload=host"))]
+                 (c, remats[c][0], "release + param and optimizer offload", offloads)]
+    # XLA keeps 2 host copies in flight by default (async computations); with more, its
+    # compiled schedule puts more of the 70B recipes' copies under compute
+    # (docs/design/offload-and-streaming.md): whether the step gets faster is this row.
+    variants += [] if args.cpu else [
+        (c, remats[c][0], "release + param and optimizer offload, 32 copies in flight",
+         offloads, (f"--{ASYNC_LIMIT}=32",))]
   variants += [] if args.cpu else [(configs[-1], remats[configs[-1]][0], "no XLA profile",
                                     ("xla.gpu_profile=False",))]
   order = rounds[0] + (rounds[1] if len(rounds) > 1 else []) + variants + [
       x for r in rounds[2:] for x in r]
-  for cfg, remat, label, extra in order:
+  for cfg, remat, label, extra, *xla in order:
     name = f"{cfg}/{remat}" + (f" + {label}" if label else "")
     if left() < min(30, cap[cfg] / 2):
       res["mfu"].append(dict(name=name, config=CONFIGS[cfg], remat=remat, status="skipped",
@@ -417,8 +430,8 @@ def main(argv=None):
       continue
     print(f"{name} ...", flush=True)
     r = spawn(dict(kind="mfu", config=cfg, remat=remat, cpu=args.cpu, steps=args.steps,
-                   batch=args.batch, set=args.set + list(extra)), min(cap[cfg], left()),
-              args.cpu)
+                   batch=args.batch, set=args.set + list(extra),
+                   xla_flags=list(xla[0]) if xla else []), min(cap[cfg], left()), args.cpu)
     r.setdefault("config", CONFIGS[cfg])
     r["remat"] = remat + (f" + {label}" if label else "")
     r["name"] = name

@@ -3,7 +3,8 @@
 # at ZeRO stage 3 per remat policy (full; by name: 1B five, 8B four), the 8B with its optimizer state offloaded
 # to host memory (optimizer.offload=host: device peak and step time beside the run
 # without), the 8B with gradient release without and with its params and optimizer state
-# in host memory (zero.param_offload, optimizer.offload: the step time the copies cost),
+# in host memory (zero.param_offload, optimizer.offload: the step time the copies cost;
+# once more with 32 host copies in flight instead of XLA's 2),
 # the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
 # per-device memory against the planner.
 #
