@@ -23,35 +23,45 @@ def config_8b():
   return load_config(CONFIG_8B, [])
 
 
-def test_known_flags_asks_the_installed_xla():
-  """A made-up flag is dropped (XLA would abort on it); real ones, GPU ones too, are kept."""
+def test_known_flags_asks_the_installed_xla_once():
+  """A made-up flag is dropped (XLA would abort on it); real ones, GPU ones too, are kept.
+  Asked with an environment, the answers are kept there (by flag name) and a second ask
+  (say, by a child) runs no XLA: given no Python to run, it still answers, a known name
+  with another value included; a name not asked before is asked. (Until 2026-12-05 the
+  environment's answers were a test of their own that asked XLA again: 2 JAX starts.)"""
+  env = {}
   real = ["--xla_gpu_enable_latency_hiding_scheduler=true",
           "--xla_gpu_all_gather_combine_threshold_bytes=1024"]
   made_up = ["--xla_gpu_no_such_flag=true", "--xla_nor_this_one=1"]
-  assert xla_flags.known_flags([*made_up, *real]) == set(real)
+  assert xla_flags.known_flags([*made_up, *real], environ=env) == set(real)
   assert xla_flags.known_flags(made_up) == set()
-
-
-def test_known_flags_answers_from_the_environment_once_asked():
-  """Asked once with an environment, the answers are kept there (by flag name) and a
-  second ask (say, by a child) runs no XLA: given no Python to run, it still answers,
-  a known name with another value included."""
-  env = {}
-  real, made_up = "--xla_gpu_enable_latency_hiding_scheduler=true", "--xla_gpu_no_such_flag=1"
-  assert xla_flags.known_flags([real, made_up], environ=env) == {real}
-  assert json.loads(env[xla_flags.ASKED_VAR]) == {flag_name(real): True,
-                                                  flag_name(made_up): False}
-  assert xla_flags.known_flags([real.replace("true", "false"), made_up], "/no/python",
-                               environ=dict(env)) == {real.replace("true", "false")}
+  assert json.loads(env[xla_flags.ASKED_VAR]) == {
+      **{flag_name(f): True for f in real}, **{flag_name(f): False for f in made_up}}
+  other = real[0].replace("true", "false")
+  assert xla_flags.known_flags([other, *made_up], "/no/python",
+                               environ=dict(env)) == {other}
   with pytest.raises(FileNotFoundError):  # A name not asked before is asked.
     xla_flags.known_flags(["--xla_gpu_enable_pipelined_all_gather=true"], "/no/python",
                           environ=dict(env))
 
 
-def test_every_profile_entry_has_a_form_this_xla_knows(config_8b):
-  """Resolved against the installed XLA, each entry gets a form, and XLA takes them all."""
+@pytest.fixture(scope="module")
+def gpu_env(config_8b):
+  """`apply_gpu_profile` on a GPU's environment with the user's flag and memory fraction:
+  the environment after it, XLA asked once about the profile's forms (its answers kept
+  in `ASKED_VAR`), and the lines it printed."""
+  env = {"JAX_PLATFORMS": "cuda",
+         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false",
+         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+  lines = xla_flags.apply_gpu_profile(config_8b, env)
+  return env, lines
+
+
+def test_every_profile_entry_has_a_form_this_xla_knows(config_8b, gpu_env):
+  """Resolved against the installed XLA, each entry gets a form, and XLA takes them all.
+  The answers are `gpu_env`'s ask (one JAX start for both tests)."""
   profile = xla_flags.gpu_profile(xla_flags.layer_bytes(config_8b))
-  known = xla_flags.known_flags(xla_flags.forms(profile))
+  known = xla_flags.known_flags(xla_flags.forms(profile), "/no/python", environ=dict(gpu_env[0]))
   chosen, lines = xla_flags.resolve(profile, "", known)
   assert not [line for line in lines if "not in this XLA" in line], lines
   assert set(chosen) <= known and len(chosen) == len(profile)
@@ -79,14 +89,11 @@ def test_resolve_user_flags_win_and_old_forms_are_the_fallback():
   assert chosen == ["--old=true", "--other=1"]  # An older XLA: its form.
 
 
-def test_apply_only_on_gpu_and_never_over_the_user(config_8b):
+def test_apply_only_on_gpu_and_never_over_the_user(config_8b, gpu_env):
   cpu = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_x=1"}
   assert xla_flags.apply_gpu_profile(config_8b, cpu) == [] and cpu["XLA_FLAGS"] == "--xla_x=1"
 
-  gpu = {"JAX_PLATFORMS": "cuda",
-         "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false",
-         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
-  lines = xla_flags.apply_gpu_profile(config_8b, gpu)
+  gpu, lines = gpu_env
   flags = gpu["XLA_FLAGS"].split()
   assert flags[0] == "--xla_gpu_enable_latency_hiding_scheduler=false"
   assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in flags
