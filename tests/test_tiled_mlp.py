@@ -15,7 +15,7 @@ from zerojax.models import llama
 from test_llama import SMALL, _temp_bytes, random_params
 from test_release import relative
 from test_release_packed import packed_batches
-from test_sequence import TINY, grads_of_one_step
+from test_sequence import TINY, grads_of_one_step, reference, row_batch
 
 T = 32
 
@@ -84,11 +84,12 @@ def test_tiled_packed_rows_are_the_untiled_ones():
 
 def test_the_sequence_parallel_stage_3_step_with_tiles_is_the_step():
   """train.py's step over 8 devices, each holding 8 of a row's 64 positions in 2 tiles of
-  4, on packed rows: the untiled step without sequence parallelism's loss and gradients."""
-  (batch,) = packed_batches(steps=1, batch=8, seq=64, vocab=256)
-  want = grads_of_one_step(("zero.stage=3",), batch)
+  4, on packed rows: the untiled step without sequence parallelism's loss and gradients
+  (test_sequence's `reference`, computed once a process: test_sequence and
+  test_activation_offload compare with it too)."""
+  want = reference(True)
   got = grads_of_one_step(("zero.stage=3", "mesh.sequence_parallel=True", "model.mlp_chunk=4"),
-                          batch)
+                          row_batch(True))
   assert_same(got, want)
 
 
