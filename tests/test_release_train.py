@@ -4,6 +4,7 @@ cannot do exits 2 naming the keys."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -57,12 +58,14 @@ def test_release_trains_like_the_normal_step(tmp_path):
 
 def test_release_resumes_with_the_carried_norm(tmp_path):
   """Clipping by the previous norm (kept in the optimizer state) and optimizer
-  accumulation: stopped after step 3 (saved, exit 75) and resumed, a run gives the
-  losses of a run that never stopped, bit for bit (the norm came back with the state:
-  a lost norm would leave step 4 unclipped). The run that never stopped is also the
-  proof that release with optimizer accumulation and previous-norm clipping learns
-  through train.py (loss down by 1 nat in 6 steps, nothing skipped). Until 2026-12-05 a
-  test of its own ran that at 4 microbatches and 8 steps
+  accumulation: resumed from the straight run's save of step 3 (copied to a new workdir,
+  as a crash leaves it), a run gives the losses of the run that never stopped, bit for
+  bit (the norm came back with the state: a lost norm would leave step 4 unclipped).
+  Until 2026-12-05 the resume was from a stop's own save (--stop_after 3, a third run):
+  the same `save`; a stop's save and exit are test_train's SFT stop/resume's. The run
+  that never stopped is also the proof that release with optimizer accumulation and
+  previous-norm clipping learns through train.py (loss down by 1 nat in 6 steps, nothing
+  skipped). Until 2026-12-05 a test of its own ran that at 4 microbatches and 8 steps
   (test_release_with_optimizer_accumulation_and_clipping_trains, 10 s of CPU): the
   microbatches are one `lax.scan` whatever their count, and here at 4 and 8 steps this
   test took 20 s of CPU, not 12. In this process: the resume reads the norm from disk
@@ -70,7 +73,7 @@ def test_release_resumes_with_the_carried_norm(tmp_path):
   args = (*MLP, "--config.train.steps=6", "--config.optimizer.release=True",
           "--config.train.microbatches=2", "--config.optimizer.release_accumulation=optimizer",
           "--config.optimizer.release_clipping=previous_norm", "--config.optimizer.grad_clip=0.1",
-          "--config.checkpoint.async_save=False")
+          "--config.checkpoint.async_save=False", "--config.checkpoint.every_steps=3")
   whole = train_here(*args, f"--config.workdir={tmp_path / 'whole'}")
   assert whole.returncode == exits.DONE, whole.stderr[-3000:]
   records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text()
@@ -79,15 +82,17 @@ def test_release_resumes_with_the_carried_norm(tmp_path):
   assert len(steps) == 6 and not any(r["skipped"] for r in steps)
   assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, [r["loss"] for r in steps]
   assert max(r["grad_norm"] for r in steps) > 0.1  # The clipping bites.
-  stopped = train_here(*args, f"--config.workdir={tmp_path / 'parts'}", "--stop_after", "3")
-  assert stopped.returncode == exits.STOPPED, stopped.stderr[-3000:]
+  shutil.copytree(tmp_path / "whole" / "checkpoints" / "3",
+                  tmp_path / "parts" / "checkpoints" / "3")
   resumed = train_here(*args, f"--config.workdir={tmp_path / 'parts'}")
   assert resumed.returncode == exits.DONE, resumed.stderr[-3000:]
+  assert f"resumed from {tmp_path / 'parts'}/checkpoints/3" in resumed.stdout
   losses = {}
   for run in ("whole", "parts"):
     records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text()
                .splitlines()]
     losses[run] = {r["step"]: r["loss"] for r in records if "loss" in r}
+  assert sorted(losses["parts"]) == [4, 5, 6]
   assert [losses["parts"][s] for s in range(4, 7)] == [losses["whole"][s] for s in range(4, 7)]
 
 
