@@ -163,7 +163,8 @@ _ROWS = (
           range=AT_LEAST_1),
     Field("train.seq_len", 128, "Tokens per sequence.", range=POSITIVE),
     Field("train.log_every", 10, "Print metrics every this many steps.", range=POSITIVE),
-    Field("train.eval_every", 50, "Held-out loss every this many steps; 0 disables.",
+    Field("train.eval_every", 50, "Held-out loss every this many steps, before the first "
+          "and after the last; 0: only before the first and after the last.",
           range=NON_NEGATIVE),
     Field("train.eval_batches", 4, "Held-out batches per evaluation.", range=AT_LEAST_1),
     Field("train.eval_exact_match", 0, "sft: at each evaluation, greedy-decode this many held-out "
