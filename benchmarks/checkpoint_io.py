@@ -183,7 +183,7 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-  from zerojax.runtime.devices import fake_devices_env
+  from zerojax.runtime.device_env import fake_devices_env
   env = fake_devices_env(spec["devices"])
   result = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env,
                           capture_output=True, text=True, timeout=1800, check=False)

@@ -120,7 +120,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   rows = [r for r in ROWS if args.rows in r[0]]
   from zerojax.gpu import compile as gpu_compile, targets
-  from zerojax.runtime.devices import CPU_MEMORY_FLAGS
+  from zerojax.runtime.device_env import CPU_MEMORY_FLAGS
   # The most devices any row traces over; with XLA:CPU's memory flags for --cpu's column
   # (they change nothing in the GPU compile).
   devices = max(targets.parse(t).devices for *_, t in rows)

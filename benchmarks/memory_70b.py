@@ -27,7 +27,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 # pylint: disable=wrong-import-position
 from zerojax.runtime import xla_dump
-from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
+from zerojax.runtime.device_env import CPU_MEMORY_FLAGS
+from zerojax.runtime.devices import fake_cpu_devices
 
 
 def parse_args():

@@ -26,7 +26,8 @@ import zerojax.train
 from zerojax.memory import report as memory_report
 from zerojax.run import launch
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_cpu_devices, fake_devices_env
+from zerojax.runtime.device_env import fake_devices_env
+from zerojax.runtime.devices import fake_cpu_devices
 
 from test_train import run_main as here
 

@@ -185,7 +185,7 @@ def test_function_local_imports_are_few_and_say_why():
 
 def test_the_launcher_imports_no_jax():
   """`zerojax-launch` only starts processes: importing it (and through it the package's
-  names, lazy, and `runtime.devices`) loads no JAX (1.1 s of CPU a launcher start), while
+  names, lazy, and `runtime.device_env`) loads no JAX (1.1 s of CPU a launcher start), while
   a package name still brings its module."""
   code = ("import sys, zerojax.run.launch; assert 'jax' not in sys.modules, 'jax'; "
           "import zerojax; zerojax.make_plan; assert 'jax' in sys.modules")

@@ -42,7 +42,7 @@ import pytest
 from zerojax.config import ConfigError, base_config
 from zerojax.run import distributed, launch, peers
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+from zerojax.runtime.device_env import fake_devices_env
 
 from test_train import train_here
 

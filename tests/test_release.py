@@ -17,7 +17,7 @@ from zerojax.models.mlp_lm import MlpLM
 from zerojax.optim import precision
 from zerojax.release import make_release_step
 from zerojax.runtime import xla_dump
-from zerojax.runtime.devices import CPU_MEMORY_FLAGS
+from zerojax.runtime.device_env import CPU_MEMORY_FLAGS
 
 SMALL = dict(vocab_size=64, d_model=32, d_ff=64, n_layers=3, context=4)
 # Two attention blocks and two loss chunks per 16-token sequence; remat 'full', so the
@@ -161,7 +161,7 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink, microb
   differentiation and gradient); Llama's once (`stage3.scan_layers` writes the gradient
   over it), while release holds one layer's fp32 shard and gradient: at 16 layers over
   8 devices the temporaries shrink by 0.79 of it (measured). Compiled as train.py and
-  the planner compile (`devices.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the
+  the planner compile (`device_env.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the
   fp32 upcast of the stack for its gathers out of the forward loop."""
   tx = optim.adamw(1e-3, b2=0.95, state_dtype=jnp.bfloat16, update_rule="kahan")
   plan = make(model, tx)

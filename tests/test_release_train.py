@@ -16,7 +16,7 @@ import zerojax.train
 from zerojax import build
 from zerojax.config import load_config
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+from zerojax.runtime.device_env import fake_devices_env
 
 from test_train import REPO, SMALL, TINY, TRAIN, train_here
 

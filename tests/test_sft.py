@@ -212,7 +212,7 @@ def test_train_py_exits_2_when_no_example_is_usable(tmp_path):
   import subprocess
   import sys
 
-  from zerojax.runtime.devices import fake_devices_env
+  from zerojax.runtime.device_env import fake_devices_env
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"prompt": "1+1="}\nnot json\n{"messages": [{"role": "user", "content": "x"}]}\n')

@@ -26,7 +26,7 @@ import pytest
 from zerojax import build as build_lib, data as data_lib
 from zerojax.config import load_config
 from zerojax.data import sft
-from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_devices_env
+from zerojax.runtime.device_env import CPU_MEMORY_FLAGS, fake_devices_env
 from zerojax.step import init_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,7 +22,7 @@ from zerojax.data import sft_demo
 from zerojax.mesh import make_mesh
 from zerojax.run import metrics
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+from zerojax.runtime.device_env import fake_devices_env
 from zerojax.testing import run_logs
 
 from conftest import FAST_COMPILE

@@ -240,7 +240,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # stops XLA:CPU's loop-invariant code motion from hoisting the fp32 upcast of its
     # gathers out of the loop, but costs a copy of the stack in them (15.8 GiB a device
     # for the 70B at 8 devices); that pass is off where memory counts
-    # (`devices.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
+    # (`device_env.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
     # Both loops read the stacks as rows (`updates.LayerViews`: no whole-stack relayout).
     views = updates.LayerViews(plan, params, opt_state, depth, rows=True)
     rows = views.rows(params)

@@ -23,7 +23,7 @@ per-device bytes of every component of a train step, in two views.
   gathered layer / embedding / head, the loss chunk's fp32 logits. Their peak is the
   largest of three phases (layer backward, loss backward, end of the backward).
 
-The temporaries are calibrated against XLA:CPU with `devices.CPU_MEMORY_FLAGS` (the only
+The temporaries are calibrated against XLA:CPU with `device_env.CPU_MEMORY_FLAGS` (the only
 compiler this project can check; `--compile` shows it beside the estimate): the total
 within 2% for the 8B and 70B configs (also at 32768 tokens a device), 2-4% low for the
 1B, 5% high for the tiny one (exceptions: the tiny config with remat 'full', 0.88,

@@ -59,7 +59,8 @@ from zerojax.memory import (
 )
 from zerojax.run import metrics
 from zerojax.runtime import platform, xla_dump
-from zerojax.runtime.devices import CPU_MEMORY_FLAGS, fake_cpu_devices
+from zerojax.runtime.device_env import CPU_MEMORY_FLAGS
+from zerojax.runtime.devices import fake_cpu_devices
 from zerojax.runtime.units import fmt_bytes, parse_bytes
 from zerojax.streaming import schedule
 
@@ -73,7 +74,7 @@ def _gb(n: float) -> str:  # Decimal units, as the hand arithmetic counts.
 
 
 def _cpu_without_memory_flags() -> bool:
-  """Compiled by XLA:CPU without `devices.CPU_MEMORY_FLAGS` (its default scheduler keeps
+  """Compiled by XLA:CPU without `device_env.CPU_MEMORY_FLAGS` (its default scheduler keeps
   more alive than the planner, calibrated with them, expects)."""
   return (jax.default_backend() == "cpu"
           and not all(f in os.environ.get("XLA_FLAGS", "") for f in CPU_MEMORY_FLAGS))

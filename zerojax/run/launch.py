@@ -32,7 +32,7 @@ import threading
 import time
 
 from zerojax.runtime import exits
-from zerojax.runtime.devices import fake_devices_env
+from zerojax.runtime.device_env import fake_devices_env
 
 
 def free_port() -> int:
