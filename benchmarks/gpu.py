@@ -325,13 +325,13 @@ def _is_oom(text: str) -> bool:
 
 
 def child_env(cpu: bool, xla: tuple[str, ...] = ()) -> dict:
-  from zerojax.runtime.devices import fake_devices_env
+  from zerojax.runtime.device_env import fake_devices_env
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
   if xla:  # A variant's own XLA flags, beside the user's (train.py's profile adds its own).
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla]).strip()
   # One CPU device. XLA:CPU's default scheduler: the memory-optimizing one
-  # (zerojax.runtime.devices.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
+  # (zerojax.runtime.device_env.CPU_MEMORY_FLAGS) doubles the compile time of these tiny shapes.
   return fake_devices_env(1, base=env) if cpu else env
 
 
@@ -403,15 +403,16 @@ def main(argv=None):
   # Most informative first: each config's policies in turn, smallest config first (a
   # budget spent early cuts the least promising); after the second round, offload and
   # (GPU) the largest config without train.py's XLA flags, what they are worth.
-  rounds = [[(c, remats[c][i], "", ()) for c in configs if i < len(remats[c])]
+  # (config, remat, label, config overrides, XLA flags) a measurement.
+  rounds = [[(c, remats[c][i], "", (), ()) for c in configs if i < len(remats[c])]
             for i in range(max(len(r) for r in remats.values()))]
-  variants = [(c, remats[c][0], "offload", ("optimizer.offload=host",))
+  variants = [(c, remats[c][0], "offload", ("optimizer.offload=host",), ())
               for c in args.offload.split(",") if c in configs]
   release = ("optimizer.release=True", "optimizer.grad_clip=0")
   for c in (c for c in args.param_offload.split(",") if c in configs):
     offloads = (*release, "zero.param_offload=host", "optimizer.offload=host")
-    variants += [(c, remats[c][0], "release", release),
-                 (c, remats[c][0], "release + param and optimizer offload", offloads)]
+    variants += [(c, remats[c][0], "release", release, ()),
+                 (c, remats[c][0], "release + param and optimizer offload", offloads, ())]
     # XLA keeps 2 host copies in flight by default (async computations); with more, its
     # compiled schedule puts more of the 70B recipes' copies under compute
     # (docs/design/offload-and-streaming.md): whether the step gets faster is this row.
@@ -419,10 +420,10 @@ def main(argv=None):
         (c, remats[c][0], "release + param and optimizer offload, 32 copies in flight",
          offloads, (f"--{ASYNC_LIMIT}=32",))]
   variants += [] if args.cpu else [(configs[-1], remats[configs[-1]][0], "no XLA profile",
-                                    ("xla.gpu_profile=False",))]
+                                    ("xla.gpu_profile=False",), ())]
   order = rounds[0] + (rounds[1] if len(rounds) > 1 else []) + variants + [
       x for r in rounds[2:] for x in r]
-  for cfg, remat, label, extra, *xla in order:
+  for cfg, remat, label, extra, xla in order:
     name = f"{cfg}/{remat}" + (f" + {label}" if label else "")
     if left() < min(30, cap[cfg] / 2):
       res["mfu"].append(dict(name=name, config=CONFIGS[cfg], remat=remat, status="skipped",
@@ -431,7 +432,7 @@ def main(argv=None):
     print(f"{name} ...", flush=True)
     r = spawn(dict(kind="mfu", config=cfg, remat=remat, cpu=args.cpu, steps=args.steps,
                    batch=args.batch, set=args.set + list(extra),
-                   xla_flags=list(xla[0]) if xla else []), min(cap[cfg], left()), args.cpu)
+                   xla_flags=list(xla)), min(cap[cfg], left()), args.cpu)
     r.setdefault("config", CONFIGS[cfg])
     r["remat"] = remat + (f" + {label}" if label else "")
     r["name"] = name

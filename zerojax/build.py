@@ -99,23 +99,15 @@ def build(config, devices=None) -> Built:
                zerojax.abstract_state(plan), abstract_batch)
 
 
+@functools.lru_cache(maxsize=64)
 def abstract_params(model) -> tuple[Any, Any]:
   """`model`'s params as `jax.ShapeDtypeStruct`s and their logical axes: two traces of
   its init (~0.045 s of CPU each for the quick start's Llama), kept per model (its
-  config: `LlamaLM` and `MlpLM` are frozen dataclasses) for the process's next build of
-  it (a resume, the planner's suggestions, a test's next run). The shapes do not depend
-  on the init's key. Shared between builds: read them, do not change them."""
-  try:
-    return _abstract_params(model)
-  except TypeError:  # Unhashable (a field holds a dict): traced each time.
-    return _trace_abstract_params(model)
-
-
-def _trace_abstract_params(model) -> tuple[Any, Any]:
+  config: `models.from_config`'s `LlamaLM` and `MlpLM` are frozen dataclasses, hashable)
+  for the process's next build of it (a resume, the planner's suggestions, a test's next
+  run). The shapes do not depend on the init's key. Shared between builds: read them, do
+  not change them."""
   return jax.eval_shape(model.init, jax.random.key(0)), model.logical_axes()
-
-
-_abstract_params = functools.lru_cache(maxsize=64)(_trace_abstract_params)
 
 
 def check_offload(config, device) -> None:
