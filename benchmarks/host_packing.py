@@ -2,7 +2,7 @@
 a layer's leaves as separate host stacks or one packed host buffer per layer, the stacks
 whole or interleaved over 3 buffers, and how many host copies XLA keeps in flight.
 
-    python benchmarks/host_packing.py            # ~1 min on 2 cores, no GPU needed
+    python benchmarks/host_packing.py            # ~10 s on 2 cores (20 compiles), no GPU needed
 
 A synthetic backward loop (`streaming.layers`' read-ahead, as gradient release reads its
 offloaded state): L layers of K [D, D] bf16 weights in host memory, each trip multiplying
