@@ -172,6 +172,8 @@ BAD_OVERRIDES = [
     ("mesh.fsdp=2", 8, "mesh.data", "fsdp=-1"),
     ("mesh.data=-1", 8, "mesh", "both -1"),
     ("train.global_batch_size=20", 8, "train.global_batch_size", "16 or 24"),
+    ("optimizer.release_write_behind=true", None, "optimizer.release_write_behind",
+     "needs gradient release and a layer stack in host memory"),
 ]
 
 

@@ -41,8 +41,10 @@ def make(model, tx, stage=3, offload=False, mesh_shape=(1, 8)):
 
 
 def make_step(kind, plan, model, tx):
-  if kind in ("release", "release read ahead"):  # On CPU read ahead only when asked.
-    return make_release_step(plan, model.layered(), tx, read_ahead=kind != "release")
+  if kind in ("release", "release read ahead", "release write behind"):
+    # On CPU read ahead (and write behind) only when asked.
+    return make_release_step(plan, model.layered(), tx, read_ahead=kind != "release",
+                             write_behind=kind == "release write behind")
   if kind == "release accumulation":  # 2 microbatches absorbed, per-layer clipping.
     return make_release_step(plan, model.layered(), tx, microbatches=2,
                              accumulation="optimizer", max_grad_norm=0.2, clipping="per_layer")
@@ -71,6 +73,7 @@ def run(kind, stage, offload, data):
 
 @pytest.mark.parametrize("stage, kind", [(1, "by layer"), (3, "by layer"), (3, "whole tree"),
                                          (3, "release"), (3, "release read ahead"),
+                                         (3, "release write behind"),
                                          (3, "release accumulation")])
 def test_offloaded_step_equals_the_normal_step(stage, kind):
   """3 steps of AdamW + Kahan in fp32: every param and state leaf within 1e-6 relative

@@ -126,7 +126,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       loss_scaling: precision.LossScaling = precision.NO_SCALING,
                       upcast_params: str = "none",
                       donate: bool = True,
-                      read_ahead: bool | None = None) -> Callable[[step_lib.TrainState, PyTree],
+                      read_ahead: bool | None = None,
+                      write_behind: bool = False) -> Callable[[step_lib.TrainState, PyTree],
                                                        tuple[step_lib.TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` with gradient release.
 
@@ -159,6 +160,12 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       layer of it on the device, the copy in flight under the layer's compute). None:
       where host memory is not the device's own (a GPU; not XLA:CPU, traced for a GPU
       target or not).
+    write_behind: where the backward pass reads ahead (`read_ahead`), each layer's
+      update goes back to host memory during the next layer's trip, once that layer's
+      forward pass is recomputed, instead of at the end of its own trip: the copies
+      back then run under the next layer's backward matmuls, and the reads ahead under
+      its recompute (one more layer of params and optimizer state on the device, and
+      its residuals held a little longer). Numerically the same step.
 
   Returns:
     A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
@@ -195,6 +202,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   # Offloaded optimizer state: layer i's slice comes to the device for its update.
   apply = streaming.streamed(functools.partial(updates.apply, tx), plan)
   arrived = streaming.streamed(functools.partial(updates.apply, tx), plan, arrived=True)
+  # Read ahead and written behind: the state arrived and its update stays on the device
+  # until the next trip writes it back.
+  kept = functools.partial(updates.apply, tx)
   total = lambda x: jax.lax.psum(x, plan.shard_axes)
   clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
 
@@ -253,6 +263,20 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload
     params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
     state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
+    # Written behind (`write_behind`): trip i writes layer i+1's update, carried from the
+    # trip before. XLA must finish a trip's reads of a stack before its in-place write
+    # into it, and its scheduler does not see the matmuls' time (a gemm costs it almost
+    # nothing): left alone it puts both at one end of the trip, one waiting for the
+    # other. One barrier on the reads, the stacks, the pending update and the residuals
+    # of the layer's recomputed forward pass splits the trip: the reads land under the
+    # recompute, the writes start after it and run under the backward matmuls.
+    behind = write_behind and (ahead_p or ahead_s)
+
+    def put_back(p, s, update, i):
+      """The stacks with layer i's (params, state) `update`, both on the device, written
+      in place (to host memory where offloaded)."""
+      return (views.put(p, streaming.to_host(update[0], plan.param_offloaded), i),
+              views.put_state(s, streaming.to_host(update[1], plan.opt_offloaded), i))
 
     x, inputs = streaming.forward_layers(
         lambda i, layer, x: (parts.layer(gathered(layer), x, batch), streaming.outbound(
@@ -271,39 +295,58 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     ct = stage3.after(ct, d_rest)
 
     def body(i, saved, carry):
-      ct, p, s, skipped, grad_sq, update_sq, (layer_p, state) = carry
+      ct, p, s, skipped, grad_sq, update_sq, (layer_p, state), pending = carry
       before = jnp.maximum(i - 1, 0)
-      if ahead_p:
+      if behind:  # Ordered by the barrier below.
+        next_p = params_at(p, before) if ahead_p else None
+        next_s = state_at(s, before) if ahead_s else None
+      elif ahead_p:
         next_p, p = streaming.read_ahead(p, lambda p: params_at(p, before))
-      else:  # Nothing carried: each trip reads its own layer.
+      if not ahead_p:  # Nothing carried: each trip reads its own layer.
         layer_p, next_p = params_at(p, i), None
-      if ahead_s:
+      if ahead_s and not behind:
         next_s, s = streaming.read_ahead(s, lambda s: state_at(s, before))
-      else:  # `apply` brings an offloaded slice over itself.
+      elif not ahead_s:  # `apply` brings an offloaded slice over itself.
         state, next_s = views.state(s, i), None
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
+      if behind:
+        # This trip's own slices too, if read here: they are read before the write.
+        residuals, tree = jax.tree.flatten(vjp)
+        next_p, next_s, layer_p, state, p, s, pending, residuals = jax.lax.optimization_barrier(
+            (next_p, next_s, layer_p, state, p, s, pending, residuals))
+        vjp = jax.tree.unflatten(tree, residuals)
+        p, s = put_back(p, s, pending, jnp.minimum(i + 1, depth - 1))
       g, ct = vjp(ct)
       g = reduced(g, dims[stack], experts[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
-      new_p, new_s, update_squares = (arrived if ahead_s else apply)(
+      update = kept if behind and ahead_s else arrived if ahead_s else apply
+      new_p, new_s, update_squares = update(
           {**layer_p, stack: g}, state, layer_p, finite=finite,
           scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
           **phase, **clip_to)
-      new_p = streaming.to_host(new_p, plan.param_offloaded)  # Straight back.
-      return (ct, views.put(p, new_p, i), views.put_state(s, new_s, i),
-              skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
-              update_sq + jnp.where(finite, update_squares, 0.0), (next_p, next_s))
+      if behind:  # The next trip writes it.
+        pending = (new_p, new_s)
+      else:  # Straight back (`update` sent the state there).
+        new_p = streaming.to_host(new_p, plan.param_offloaded)
+        p, s = views.put(p, new_p, i), views.put_state(s, new_s, i)
+      return (ct, p, s, skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
+              update_sq + jnp.where(finite, update_squares, 0.0), (next_p, next_s), pending)
 
     zero_sq = jnp.zeros((), jnp.float32)
     s = views.state_rows(opt_state)
-    first = (params_at(rows, depth - 1) if ahead_p else None,
-             state_at(s, depth - 1) if ahead_s else None)
-    ct, p, s, skipped, grad_sq, update_sq, _ = streaming.backward_layers(body, (
-        ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first),
-        inputs, depth, parts.offload)
+    last_p = params_at(rows, depth - 1) if ahead_p or behind else None
+    last_s = state_at(s, depth - 1) if ahead_s or behind else None
+    first = (last_p if ahead_p else None, last_s if ahead_s else None)
+    # The first trip writes the last layer back as it is (a trip has one code: the
+    # write of one layer more than needed, as the reads' clamped index reads one more).
+    ct, p, s, skipped, grad_sq, update_sq, _, pending = streaming.backward_layers(body, (
+        ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first,
+        (last_p, last_s) if behind else None), inputs, depth, parts.offload)
+    if behind:  # Layer 0's update, after the loop.
+      p, s = put_back(p, s, pending, 0)
     p, s = views.from_rows(p), views.state_from_rows(s)
 
     (d_embed,) = embed_vjp(ct)

@@ -203,7 +203,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]
   if text:  # The host copies the module makes a step, beside the planner's below.
-    mem = memory_report.with_traffic(mem, text)
+    mem = memory_report.with_traffic(mem, text, *memory_report.schedule_rates(
+        spec, c.train.peak_flops))
   mesh, plan = built.mesh, built.plan
   n_params = sum(x.size for x in jax.tree.leaves(plan.params))
   shape = " ".join(f"{a}={n}" for a, n in mesh.shape.items())
@@ -226,6 +227,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          stage=c.zero.stage, params=n_params, memory=mem)
   if text and (copies := streaming.schedule.overlap_line(text)):
     report(copies)  # Whether the streams can hide behind the layers' compute.
+    if timed := memory_report.timed_line(mem):
+      report(timed)
   # CPU devices share the host's memory: a step that does not fit would swap, ignore
   # Ctrl-C while it allocates, then meet the OOM killer. A dry run allocates nothing.
   host = (memory_report.host_memory_available()

@@ -352,7 +352,18 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: 
       _fixes(config, num_devices, list(alternatives), why) if check_fixes else None)
   # Turning release off also resets the keys only release reads.
   off = {"optimizer.release": False, **{f"optimizer.{k}": "none" for k in (
-      "release_accumulation", "release_clipping") if o[k] != "none"}}
+      "release_accumulation", "release_clipping") if o[k] != "none"},
+         **({"optimizer.release_write_behind": False} if o.release_write_behind else {})}
+  offloaded = "host" in (config.zero.param_offload, o.offload)
+  if o.release_write_behind and not (o.release and offloaded):
+    raise ConfigError(
+        "writes each layer's update back to host memory during the next layer's backward "
+        "pass: it needs gradient release and a layer stack in host memory "
+        f"(optimizer.release={o.release}, zero.param_offload={config.zero.param_offload!r}, "
+        f"optimizer.offload={o.offload!r}).", key="optimizer.release_write_behind",
+        source=source_of(source, "optimizer.release_write_behind", "optimizer.release",
+                         "zero.param_offload", "optimizer.offload"),
+        fix=fixes({"optimizer.release_write_behind": False}))
   if not o.release:
     for key in ("release_accumulation", "release_clipping"):
       if o[key] != "none":

@@ -152,6 +152,11 @@ _ROWS = (
           "'previous_norm' = clip by the previous step's global norm (step 1 unclipped), "
           "'per_layer' = clip each layer's gradient to grad_clip by its own norm.",
           choices=("none", "previous_norm", "per_layer")),
+    Field("optimizer.release_write_behind", False, "With release and a layer stack in host "
+          "memory (zero.param_offload or optimizer.offload), on a GPU: each layer's update "
+          "goes back to host memory under the next layer's backward matmuls, not after its "
+          "own, and the reads ahead under its recompute (one more layer of params and state "
+          "on the device; XLA may keep 32 host copies in flight). The same step."),
     Field("optimizer.offload", "none", "'host': the moments and Kahan / master buffers live "
           "in pinned host memory, streamed to the device one layer at a time for the update.",
           choices=("none", "host")),

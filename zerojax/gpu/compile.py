@@ -84,7 +84,7 @@ def profile_options(config) -> dict[str, Any]:
   with xla.gpu_profile=False); the user's XLA_FLAGS win, as in train.py."""
   if not config.xla.gpu_profile:
     return {}
-  profile = xla_flags.gpu_profile(xla_flags.layer_bytes(config))
+  profile = xla_flags.for_config(config)
   chosen, _ = xla_flags.resolve(profile, os.environ.get("XLA_FLAGS", ""), xla_flags.known_flags(
       xla_flags.forms(profile), environ=os.environ))
   return dict(_option(f) for f in chosen)

@@ -58,8 +58,25 @@ def layer_bytes(config) -> int:
                  if path[0] == "layers")
 
 
-def gpu_profile(layer_size: int) -> list[Flag]:
-  """The profile for a model whose layer holds `layer_size` bytes (`layer_bytes`).
+# Host copies XLA may keep in flight when release writes behind: a layer's reads ahead
+# (params and every state buffer, 9-27 leaves) under its recompute and its writes under
+# the backward matmuls. At XLA's default of 2 they queue behind each other: the 70B on
+# 8 x RTX 4090 then puts 25% of the copies' bytes under compute, at 32 all of them
+# (docs/design/offload-and-streaming.md).
+HOST_COPIES = 32
+
+
+def for_config(config) -> list[Flag]:
+  """The profile for `config`: its layer's bytes (`layer_bytes`) and whether release
+  writes its updates behind (`optimizer.release_write_behind`)."""
+  return gpu_profile(layer_bytes(config),
+                     HOST_COPIES if config.optimizer.release_write_behind else 0)
+
+
+
+def gpu_profile(layer_size: int, host_copies: int = 0) -> list[Flag]:
+  """The profile for a model whose layer holds `layer_size` bytes (`layer_bytes`), with
+  `host_copies` asynchronous host copies in flight (0: XLA's default, 2).
 
   Stage 3 gathers each layer's parameters in the layer loop and reduce-scatters its
   gradients in the backward loop; stages 1-2 reduce-scatter gradients and all-gather
@@ -90,6 +107,11 @@ def gpu_profile(layer_size: int) -> list[Flag]:
       flags.append(Flag((f"--xla_gpu_{op}_combine_threshold_bytes={threshold}",),
                         f"one layer's {op.replace('_', '-')}s ({layer_size / 2**20:.0f} MiB in "
                         f"float32) combine into one collective"))
+  if host_copies:
+    flags.append(Flag(
+        (f"--xla_gpu_experimental_parallel_async_compute_limit={host_copies}",),
+        f"release writes behind: up to {host_copies} host copies in flight (XLA's default 2 "
+        "queues a layer's copies behind each other, outside the matmuls)"))
   return flags
 
 
@@ -184,7 +206,7 @@ def apply_gpu_profile(config, environ: MutableMapping[str, str] = os.environ,
   """
   if not config.xla.gpu_profile or not on_gpu(environ):
     return []
-  profile = gpu_profile(layer_bytes(config))
+  profile = for_config(config)
   user = environ.get("XLA_FLAGS", "")
   chosen, lines = resolve(profile, user, known_flags(forms(profile), python, environ))
   environ["XLA_FLAGS"] = " ".join([*user.split(), *chosen])
@@ -201,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True, help="a config file (configs/*.py)")
   args = parser.parse_args(argv)
   config = load_config(args.config, [])
-  profile = gpu_profile(layer_bytes(config))
+  profile = for_config(config)
   chosen, lines = resolve(profile, os.environ.get("XLA_FLAGS", ""), known_flags(forms(profile)))
   print("\n".join(lines))
   print(f"XLA_FLAGS='{' '.join(chosen)}'")

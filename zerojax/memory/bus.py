@@ -27,6 +27,10 @@ import math
 from zerojax.memory.spec import RunSpec
 from zerojax.models import MlpLM, llama
 
+# The model FLOPs utilization a step's compute time assumes where none is given (the
+# planner's --mfu).
+DEFAULT_MFU = 0.4
+
 
 def traffic(s: RunSpec, host: dict) -> dict:
   """Offload name -> (host-to-device, device-to-host) bytes per device per optimizer step,
@@ -187,7 +191,7 @@ class Bus:
 
 
 def bus(s: RunSpec, host: dict, link=None, bandwidth: float = 0.0, peak: float = 0.0,
-        mfu: float = 0.4) -> Bus:
+        mfu: float = DEFAULT_MFU) -> Bus:
   """The bus terms of a step with `host` bytes offloaded (`Estimate.host`): over `link`
   (a `zerojax.gpu.host_link.HostLink`, or None), `bandwidth` bytes/s a direction winning
   when given, at `peak` FLOP/s x `mfu`."""

@@ -109,6 +109,16 @@ def host_link(e: Estimate, spec, bandwidth: float, peak: float, mfu: float) -> b
   return bus.bus(e.setup, e.host, spec and links.of(spec.target.name), bandwidth, peak, mfu)
 
 
+def schedule_rates(spec, peak: float = 0.0, mfu: float = bus.DEFAULT_MFU,
+                   bandwidth: float = 0.0) -> tuple[float, float]:
+  """(FLOP/s, host link bytes/s a direction) a GPU target's compiled schedule is timed at
+  (`streaming.schedule.timed_step`): its peak (or `peak`) x `mfu`, its host link (or
+  `bandwidth`); 0 where unknown."""
+  link = links.of(spec.target.name) if spec else None
+  return (metrics.peak_flops(spec.target, peak) * mfu if spec else 0.0,
+          bandwidth or (link.bandwidth if link else 0.0))
+
+
 def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
   b = s.behaviour
   shard = lambda on: f", /{s.fsdp}" if on else ""
@@ -320,7 +330,7 @@ def _main(argv: list[str]) -> int:
   p.add_argument("--host-bandwidth", "--host_bandwidth", default="",
                  help="bytes per second one direction of the host link moves, e.g. 25GB "
                  "(default: the --target's, zerojax.gpu.host_link)")
-  p.add_argument("--mfu", type=float, default=0.4,
+  p.add_argument("--mfu", type=float, default=bus.DEFAULT_MFU,
                  help="model FLOPs utilization the step's compute time assumes (0.4)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   p.add_argument("--generate", default="", metavar="BATCHxLEN",
@@ -366,7 +376,8 @@ def _main(argv: list[str]) -> int:
       config.train.seq_len = e.setup.seq_len
   compiled = attributed = None
   if args.compile:
-    compiled, attributed = compile_and_attribute(config, e, spec)
+    compiled, attributed = compile_and_attribute(
+        config, e, spec, schedule_rates(spec, config.train.peak_flops, args.mfu, bandwidth))
   with for_target(spec):  # Each suggestion's estimate is the target's too.
     found = suggestions(e.setup, **fit)
   generation = generation_cache(config, args.devices, args.generate, p.error)
@@ -389,6 +400,8 @@ def _main(argv: list[str]) -> int:
       print(format_target_verdict(spec, where, device_memory, compiled))
       if compiled and (moved := traffic_line(compiled, e)):
         print(moved)
+      if compiled and (timed := timed_line(compiled)):
+        print(timed)
     elif compiled:
       print(f"(compiled in {compiled['seconds']:.1f} s on {args.devices} fake CPU devices)")
     if generation:
@@ -454,16 +467,18 @@ def target_budget(config, target) -> tuple[int, float]:
   return targets.budget(target, fraction), fraction
 
 
-def compile_and_attribute(config, e: Estimate, spec=None) -> tuple[dict, dict]:
+def compile_and_attribute(config, e: Estimate, spec=None,
+                          rates: tuple[float, float] = (0.0, 0.0)) -> tuple[dict, dict]:
   """The step compiled (for `spec`'s GPU with XLA's GPU compiler, else by XLA:CPU on this
   process's devices) and its temporaries at the peak attributed to the planner's
-  components (read from the buffer assignment XLA dumps)."""
+  components (read from the buffer assignment XLA dumps); a GPU compile's host copies
+  timed along its schedule at `rates` (`with_traffic`)."""
   dump = tempfile.mkdtemp(prefix="zerojax_memory_")
   try:
     built = build.build(config)
     if spec:
       out = gpu_compile.compile_step(built, config, spec, dump_to=dump)
-      compiled = with_traffic(out.memory, out.hlo)
+      compiled = with_traffic(out.memory, out.hlo, *rates)
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
     return compiled, attribute(e.setup, xla_dump.live_at_peak(dump),
@@ -511,11 +526,27 @@ def traffic_line(compiled: dict, e: Estimate) -> str:
           f"{ratio(0)} in, {ratio(1)} out")
 
 
-def with_traffic(memory: dict, hlo_text: str) -> dict:
+def with_traffic(memory: dict, hlo_text: str, flop_rate: float = 0.0,
+                 link: float = 0.0) -> dict:
   """`memory` (a compile's bytes) with the host copies its module makes a run
-  (`streaming.schedule.host_traffic`) as host_h2d / host_d2h."""
+  (`streaming.schedule.host_traffic`) as host_h2d / host_d2h; with both rates, the
+  layer loops' copies timed along its schedule (`streaming.schedule.timed_step`) as
+  host_copy_seconds / host_wait_seconds, at flop_rate / link_rate."""
   h2d, d2h = schedule.host_traffic(hlo_text)
-  return dict(memory, host_h2d=h2d, host_d2h=d2h)
+  out = dict(memory, host_h2d=h2d, host_d2h=d2h)
+  if flop_rate and link:
+    copies, waits = schedule.timed_step(hlo_text, flop_rate, link)
+    out.update(host_copy_seconds=copies, host_wait_seconds=waits, flop_rate=flop_rate,
+               link_rate=link)
+  return out
+
+
+def timed_line(compiled: dict) -> str:
+  """`schedule.timed_line` of a compile `with_traffic` timed; '' otherwise."""
+  if not compiled.get("host_copy_seconds"):
+    return ""
+  return schedule.timed_line(compiled["host_copy_seconds"], compiled["host_wait_seconds"],
+                             compiled["flop_rate"], compiled["link_rate"])
 
 
 def host_parts(compiled: dict) -> str:

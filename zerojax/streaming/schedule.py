@@ -162,3 +162,166 @@ def overlap_line(hlo_text: str) -> str | None:
   return (f"host copies in the layer loops: {len(reads)} to the device in {loops} loop "
           f"bod{'y' if loops == 1 else 'ies'}, {hidden:.0%} of their bytes with compute "
           "scheduled under them (the compiled schedule, not a measurement)")
+
+
+class LoopTime(NamedTuple):
+  """One loop body's trip timed along its compiled schedule (`timed_loops`).
+
+  Attributes:
+    computation: the while body.
+    runs: how many times a step runs it (`executions`).
+    compute: seconds of the trip's matmuls and attention (FLOPs at the rate given).
+    copies: seconds the trip's host copies take on the link, both directions summed (the
+      most the trip could wait on them).
+    trip: seconds of the trip: the compute, plus where it waits at a copy's done for
+      bytes still on the link.
+  """
+  computation: str
+  runs: float
+  compute: float
+  copies: float
+  trip: float
+
+  @property
+  def exposed(self) -> float:
+    """Seconds a trip waits on its copies."""
+    return self.trip - self.compute
+
+  @property
+  def hidden(self) -> float:
+    """The share of the copies' time under the trip's compute (1: all of it)."""
+    return 1.0 - min(self.exposed / self.copies, 1.0) if self.copies else 1.0
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*?)\)\s*->")
+_PARAM = re.compile(r"([\w.\-]+): ((?:pred|[a-z]+\d+\w*)\[[\d,]*\])")
+
+
+def _computations(hlo_text: str) -> tuple[dict, dict]:
+  """(computation -> its instructions as (name, type, op, rest) in schedule order,
+  instruction or parameter name -> its type), from a module's text."""
+  comps, types, comp = {}, {}, None
+  for line in hlo_text.splitlines():
+    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
+      head = _COMPUTATION.match(line)
+      comp = head.group(1) if head else re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
+      comps[comp] = []
+      if head:
+        types.update(_PARAM.findall(head.group(2)))
+      continue
+    if comp is not None and (inst := _INSTRUCTION.match(line)):
+      comps[comp].append(inst.groups())
+      types[inst.group(1)] = inst.group(2)
+  return comps, types
+
+
+def _dims(hlo_type: str) -> tuple[int, ...]:
+  first = _TYPE.search(hlo_type)
+  return tuple(int(d) for d in first.group(2).split(",") if d) if first else ()
+
+
+def _attention_flops(rest: str) -> float:
+  """cuDNN's fused attention (a `__cudnn$fmha` custom call): 4 B H T S D multiply-adds
+  forward (scores and values), half of them under a causal mask; its backward pass 2.5
+  times that (the scores again, and four products for dq, dk, dv)."""
+  shapes = [tuple(int(d) for d in dims.split(",") if d)
+            for _, dims in _TYPE.findall(rest.split("operand_layout_constraints={")[1])]
+  (b, t, h, d), (_, s, _, _) = shapes[0], shapes[1]
+  flops = 4.0 * b * h * t * s * d * (0.5 if '"CAUSAL"' in rest else 1.0)
+  return flops * (2.5 if "Backward" in rest else 1.0)
+
+
+def computation_flops(hlo_text: str) -> tuple[dict, dict]:
+  """(instruction name -> its matmul and attention FLOPs, computation -> its instructions
+  in schedule order) of a module: a dot 2 x its output's elements x its contracted
+  size; a fusion or call its computations' dots; a while loop its body's times its known
+  trip count; cuDNN attention by `_attention_flops`. Everything else counts 0: the
+  elementwise and reduction work, memory-bound, is left out (so what this times is the
+  compute a copy is sure to have under it, no more)."""
+  comps, types = _computations(hlo_text)
+  per_comp: dict[str, float] = {}
+  per_inst: dict[str, float] = {}
+
+  def inst_flops(name, hlo_type, op, rest):
+    if op == "dot":
+      lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+      contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+      dims = _dims(types.get(lhs, ""))
+      k = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i) \
+          if contracting and dims else 0
+      return 2.0 * math.prod(_dims(hlo_type)) * k
+    if op == "custom-call" and "__cudnn$fmha" in rest:
+      return _attention_flops(rest)
+    total = sum(comp_flops(c) for c in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest))
+    if op == "while" and (body := re.search(r"\bbody=%?([\w.\-]+)", rest)):
+      trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+      total += comp_flops(body.group(1)) * (int(trips.group(1)) if trips else 1)
+    return total
+
+  def comp_flops(comp):
+    if comp not in per_comp:
+      per_comp[comp] = 0.0  # HLO has no recursion; this guards the walk all the same.
+      per_comp[comp] = sum(per_inst.setdefault(i[0], inst_flops(*i)) for i in comps.get(comp, ()))
+    return per_comp[comp]
+
+  for comp in comps:
+    comp_flops(comp)
+  return per_inst, comps
+
+
+def timed_loops(hlo_text: str, flop_rate: float, link: float) -> list[LoopTime]:
+  """Each loop body with host copies, its trip timed along the compiled schedule: the
+  compute stream runs the instructions in order, a matmul or attention taking its FLOPs
+  / `flop_rate` seconds; a copy starts on the link (one copy at a time a direction,
+  `link` bytes per second, full duplex) when the stream reaches its start, and the
+  stream waits at its done until it is over. An estimate from the schedule (XLA's
+  order, FLOPs and bytes), not a measurement: it is how much of the bus the schedule
+  can hide at that rate, whatever XLA's own cost model thought.
+
+  Args:
+    hlo_text: a scheduled (compiled) module's text.
+    flop_rate: FLOP/s the matmuls run at (peak x MFU).
+    link: bytes per second a direction of the host link moves.
+  """
+  flops, comps = computation_flops(hlo_text)
+  moves = {m.name: m for m in host_moves(hlo_text)}
+  runs = executions(hlo_text)
+  bodies = {m.computation for m in moves.values() if not m.computation.startswith("main")}
+  out = []
+  for body in sorted(bodies):
+    now, free, ends, busy = 0.0, [0.0, 0.0], {}, [0.0, 0.0]
+    for name, _, op, rest in comps[body]:
+      if name in moves:
+        move = moves[name]
+        start = max(now, free[move.to_host])
+        free[move.to_host] = ends[name] = start + move.nbytes / link
+        busy[move.to_host] += move.nbytes / link
+      elif op in ("copy-done", "fusion-done") and (
+          started := re.match(r"\s*%?([\w.\-]+)", rest).group(1)) in ends:
+        now = max(now, ends[started])
+      else:
+        now += flops.get(name, 0.0) / flop_rate
+    compute = sum(flops.get(i[0], 0.0) for i in comps[body]) / flop_rate
+    out.append(LoopTime(body, runs.get(body, math.nan), compute, sum(busy), now))
+  return out
+
+
+def timed_step(hlo_text: str, flop_rate: float, link: float) -> tuple[float, float]:
+  """(seconds the layer loops' host copies take on the link, seconds of them the compute
+  stream waits for) per run of a scheduled module: `timed_loops`' trips times their runs.
+  (0, 0) without loop copies."""
+  loops = timed_loops(hlo_text, flop_rate, link)
+  return (sum(t.runs * t.copies for t in loops),
+          sum(t.runs * max(t.exposed, 0.0) for t in loops))
+
+
+def timed_line(copies: float, exposed: float, flop_rate: float, link: float) -> str:
+  """One line on `timed_step`'s figures: how much of the layer loops' copy time the
+  schedule puts under compute, at the rates they were timed at."""
+  hidden = 1.0 - exposed / copies if copies else 1.0
+  seconds = lambda t: f"{t:.2f} s" if t >= 0.1 or not t else f"{t * 1e3:.1f} ms"
+  return (f"timed along the schedule (matmuls and attention at {flop_rate / 1e12:.0f} "
+          f"TFLOP/s, the host link at {link / 1e9:.3g} GB/s a direction): the layer loops' "
+          f"copies take {seconds(copies)} a step (both directions), {hidden:.0%} of it under "
+          f"compute (the step waits {seconds(exposed)} on them; an estimate, not a "
+          "measurement)")
