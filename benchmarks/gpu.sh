@@ -4,7 +4,7 @@
 # to host memory (optimizer.offload=host: device peak and step time beside the run
 # without), the 8B with gradient release without and with its params and optimizer state
 # in host memory (zero.param_offload, optimizer.offload: the step time the copies cost;
-# once more with 32 host copies in flight instead of XLA's 2),
+# once more written behind: optimizer.release_write_behind),
 # the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
 # per-device memory against the planner.
 #

@@ -19,7 +19,9 @@ scheduled between copy start and done. A schedule, not a measurement.
 
 This is the question of issue 35's first item (one copy per layer): the shipped recipes
 stream each of a layer's leaves (9 params, their optimizer slices) as its own host
-stack, and XLA's schedule hides 43% of the 70B-on-4090 recipe's copied bytes.
+stack; in their own trip XLA's schedule put compute under 43% of the 70B-on-4090
+recipe's copied bytes. Release writing behind (`optimizer.release_write_behind`) gets
+all of them there without a new layout (docs/design/offload-and-streaming.md).
 """
 
 import argparse

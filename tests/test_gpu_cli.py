@@ -194,10 +194,10 @@ def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
 # device / a node, PCIe bytes a step, their time at 25 GB/s, the compute at 40% MFU, and
 # the share of the layer loops' host copies with compute scheduled under them.
 SMALL_CARDS = {
-    "70b_8x4090": ("rtx4090:8", True, "14.80 GiB", "21.84 GiB", "48.79 GiB", "390 GiB",
-                   "121.9 GB", "2.78 s", "26.85 s", "43%"),
-    "70b_8xl40s": ("l40s:8", False, "30.25 GiB", "41.79 GiB", "32.85 GiB", "263 GiB",
-                   "70.6 GB", "1.41 s", "12.25 s", "32%"),
+    "70b_8x4090": ("rtx4090:8", True, "15.98 GiB", "21.84 GiB", "48.79 GiB", "390 GiB",
+                   "121.9 GB", "2.78 s", "26.85 s", "100%"),
+    "70b_8xl40s": ("l40s:8", False, "31.53 GiB", "41.79 GiB", "32.85 GiB", "263 GiB",
+                   "70.6 GB", "1.41 s", "12.25 s", "100%"),
     "8b_1x4090": ("rtx4090:1", True, "12.77 GiB", "21.84 GiB", "57.87 GiB", None,
                   "138.2 GB", "3.04 s", "2.99 s", "61%"),
 }
@@ -222,9 +222,8 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
   bus = plan["pcie"]
   compiled = mem["arguments"] + mem["temporaries"]
   # One card: the planner reads release on one device as XLA lays it out
-  # (`memory.step._one_device`); on 8 it over-plans.
-  assert (abs(plan["total"] / compiled - 1) < 0.05 if spec.devices == 1
-          else over_planned(plan["total"], compiled)), plan["total"] / compiled
+  # (`memory.step._one_device`); on 8, release written behind (0.99 of the compiled).
+  assert abs(plan["total"] / compiled - 1) < 0.05, plan["total"] / compiled
   node = mem["host_arguments"] * min(spec.devices, 8)
   found = [fmt_bytes(mem["arguments"] + mem["temporaries"]), fmt_bytes(pool),
            fmt_bytes(mem["host_arguments"]), f"{node / GIB:.0f} GiB" if spec.devices > 1 else None,
@@ -233,10 +232,13 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
            re.search(r"(\d+%) of their bytes", schedule.overlap_line(out.hlo)).group(1)]
   assert found == row
   # The planner's PCIe bytes against the compiled module's host copies (each times its
-  # loops' trip counts): what leaves the device exactly; what arrives within 3% (each
-  # streaming loop's first layer is read once more: before the loop, and by its trips).
+  # loops' trip counts): what arrives within 3% (each streaming loop's first layer is
+  # read once more: before the loop, and by its trips); what leaves exactly, or within
+  # 3% written behind (the first trip writes the last layer back unchanged).
   h2d, d2h = schedule.host_traffic(out.hlo)
-  assert bus["d2h"] == d2h and 0.97 < bus["h2d"] / h2d <= 1, (bus, h2d, d2h)
+  assert 0.97 < bus["h2d"] / h2d <= 1, (bus, h2d, d2h)
+  assert (0.97 < bus["d2h"] / d2h <= 1 if config.optimizer.release_write_behind
+          else bus["d2h"] == d2h), (bus, h2d, d2h)
   state = zerojax.abstract_state(built.plan)
   host = sum(x.dtype.itemsize * math.prod(x.sharding.shard_shape(x.shape))
              for x in jax.tree.leaves((state.params, state.opt_state))

@@ -17,9 +17,10 @@ One mechanism for every per-layer stream between host and device:
   such a read before the trip's write for a stack the loop also writes.
 - `optimizer`: `streamed`, an optimizer update with its offloaded state brought to the
   device before it and sent back after.
-- `schedule`: the compiled module's host copies, the compute scheduled under them and
-  the bytes they move a step (`host_moves`, `overlap_line`, `host_traffic`: train.py's
-  lines on a GPU or a GPU target).
+- `schedule`: the compiled module's host copies, the compute scheduled under them, the
+  bytes they move a step and the schedule timed at a FLOP rate and a link (`host_moves`,
+  `overlap_line`, `host_traffic`, `timed_step`: train.py's lines on a GPU or a GPU
+  target).
 
 Its users: the parameter offload (`zero.param_offload='host'`: stage 3's layer shards
 live in host memory; gradient release reads layer i+1's during layer i's forward trip
