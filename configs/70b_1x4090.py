@@ -31,4 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "70b_8x4090.py")
   c.train.global_batch_size = 1  # One sequence on the one card.
   c.model.activation_offload = "host"  # The layers' saved inputs: 5 GiB of host memory.
+  # Each layer's update written in its own trip: on one device a layer carried to the
+  # next trip is 5 GiB more, over the card (docs/design/offload-and-streaming.md).
+  c.optimizer.release_write_behind = False
   return c

@@ -25,4 +25,7 @@ from zerojax.config import beside
 def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "70b_8x4090.py")
   c.train.global_batch_size = 8  # Eight sequences on the one device.
+  # Each layer's update written in its own trip: on one device a layer carried to the
+  # next trip is 5 GiB more, over the card (docs/design/offload-and-streaming.md).
+  c.optimizer.release_write_behind = False
   return c
