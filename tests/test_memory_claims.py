@@ -123,9 +123,9 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   (params on the device, the optimizer state and saved inputs in host memory) and on one
   H200, a 70B on one H100 and on one RTX 4090; host memory at most 2 TiB a node for the
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
-  compiled host buffers (state + saved inputs); its device bytes within 5% at 8 shards
-  and on the H100, 1.064 and 1.080 over on the 4090 and the H200 (its layer loop counts
-  every state buffer of two layers in flight, and two copies of the head). The planner's
+  compiled host buffers (state + saved inputs); its device bytes within 5% on each (one
+  device: `memory.step._one_device`, 0.984 on the 4090 at XLA's scheduler memory limit,
+  1.006 on the H100, 1.017 on the H200 with stochastic rounding). The planner's
   PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host copies
   times its loops' trip counts (`streaming.schedule.host_traffic`): out to the byte, in
   within 2% (each streaming loop reads its first layer once more, before the loop)."""
@@ -138,8 +138,7 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
     assert r["fits"], name
     compiled_host = r["gpu_host"] + r["gpu_host_temporaries"]
     assert abs(e.host_total / compiled_host - 1) < 0.01, name
-    assert 0.95 < r["planner"] / r["gpu"] < (1.05 if name in ("405b_8xh200", "70b_1xh100")
-                                              else 1.09), name
+    assert 0.95 < r["planner"] / r["gpu"] < 1.05, name
     pcie = list(bus.totals(bus.traffic(e.setup, e.host)))
     assert pcie == [r["planner_h2d"], r["planner_d2h"]], name
     assert pcie[1] == r["gpu_d2h"] and 0.98 < pcie[0] / r["gpu_h2d"] <= 1, name

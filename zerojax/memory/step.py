@@ -4,6 +4,7 @@ and `Estimate`, its per-device components and the phases they peak in."""
 import dataclasses
 import math
 
+from zerojax.gpu import targets, xla_flags
 from zerojax.memory.activations import activations, all_to_all_bytes
 from zerojax.memory.bus import traffic
 from zerojax.memory.spec import (
@@ -21,6 +22,8 @@ __all__ = ["DEVICES_PER_NODE", "Estimate", "estimate"]
 # Layers of parameter shards on the device with param offload and release: the layer in
 # use, the next one arriving from host memory, the updated one being written back.
 PARAM_OFFLOAD_LAYERS = 3
+# XLA's GPU memory limit's slop factor (xla_gpu_memory_limit_slop_factor's default, 95%).
+SLOP_FACTOR = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +166,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
     stacked = counts.local_layers if behaviour.shards_opt_state else counts.layers
     moved = max(local - stacked, stacked // L)
     streamed = (moments * sb + rule) * moved
-  if streams_one_device(s):  # Its offloaded state: moments and buffer, per parameter.
-    state_bytes = moments * sb + rule if s.offload else 0
-    return _one_device(s, counts, conventional, comp, host, state_bytes, int(device_memory),
+  if streams_one_device(s):  # Its offloaded state's buffers: moments and update buffer.
+    buffers = [sb] * moments + ([rule] if rule else []) if s.offload else []
+    return _one_device(s, counts, conventional, comp, host, buffers, int(device_memory),
                        int(host_memory))
   state = sum(comp.values())
   # Gradients. Reduced in the gathers' backward: the model's scan takes fp32 local shards
@@ -235,46 +238,88 @@ def streams_one_device(s: RunSpec) -> bool:
   return s.release and s.param_offload and not s.gathers and platform.backend() == "gpu"
 
 
-def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict, state: int,
-                device_memory: int, host_memory: int) -> Estimate:
+def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
+                buffers: list[int], device_memory: int, host_memory: int) -> Estimate:
   """The step of `streams_one_device`, as XLA's GPU compiler lays it out at its two peaks
   (docs/design/planner.md, "Release on one device"; read off the compiled buffers of
-  eight one-device recipes, 8B to 405B):
+  eight one-device recipes, 8B to 405B, and of XLA's memory limit moved by its flag):
 
   - the layer loop: for each layer parameter, this layer's and the next one's slices of
     the host stacks in flight (the param and every offloaded state buffer: 2 (p + S)
-    bytes), its gradient in the param dtype (nothing reduces it, so nothing upcasts it),
-    stochastic rounding's fp32 value; two copies of the largest vocabulary leaf; the
-    layer's MLP and residual values at its update (2 F + 6 D a position, compute dtype);
-    the saved activations the device keeps;
-  - the update of the embedding and head after it, one leaf at a time: two copies of the
+    bytes) and its gradient in the param dtype (nothing reduces it, so nothing upcasts
+    it); two copies of the largest vocabulary leaf (its gradient, from the loss's
+    backward, and a copy of the param for the loss's value, which XLA computes after the
+    layer loop and the leaf's update in place); the layer's MLP and residual values at
+    its update (2 F + 6 D a position, compute dtype); the saved activations the device
+    keeps. With stochastic rounding each leaf's update is two fusions, an fp32 value
+    then its rounding: the layer's updates run after its whole backward, holding every
+    gradient, every fp32 value (4 bytes) and the new state beside the old (S more); the
+    layer's activations are gone but for its input's cotangent (D a position); the
+    vocabulary's one update waits for the embedding's gradient, after the loss's value:
+    one copy of the leaf.
+  - the update of the embedding and head after it: one leaf at a time, two copies of the
     leaf, the updated state of every vocabulary leaf and the state streamed in for the
-    one being updated, stochastic rounding's fp32 value.
+    one being updated; with stochastic rounding all the vocabulary leaves in one fusion,
+    each leaf's gradient, state in and out and fp32 value.
+
+  Either peak over XLA's scheduler memory limit (`_scheduler_limit`) comes down to it, no
+  further than XLA's schedule goes: in the layer loop by the layer's gradients (each one
+  recomputed just before its update instead), in the vocabulary update to one leaf at a
+  time with one state buffer streamed in at a time.
 
   The layer stack is host memory only: the arguments are the non-layer params (and the
-  optimizer state, unless it is offloaded). `state`: the offloaded state's bytes per
-  parameter (0 when it stays on the device).
+  optimizer state, unless it is offloaded). `buffers`: the offloaded state's buffers,
+  bytes per parameter each (none when it stays on the device); S is their sum.
   """
   pb, cb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.compute_dtype]
-  fp32 = 4 if s.update_rule == "stochastic" else 0
+  state, one = sum(buffers), max(buffers, default=0)  # One: what one host copy brings.
+  fused = s.update_rule == "stochastic"  # Each leaf's update: fp32 value, then rounding.
+  fp32 = 4 if fused else 0
   vocab = [math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab]
   largest = max(vocab, default=0)
   layer = counts.layers // s.n_layers
   comp = dict(comp, params=pb * (counts.total - counts.layers))
+  args = sum(comp.values())
   acts = activations(s, counts, "full")
   host["saved activations"] = acts["saved activations (host)"]
+  positions = s.batch * s.seq_len
+  streamed = layer * (2 * (pb + state) + pb + fp32 + (state if fused else 0))
+  copies = (1 if fused else 2) * pb * largest
+  leafwise = 2 * pb * largest + largest * (len(vocab) * state + state + fp32) - copies
+  update = sum(vocab) * (pb + 2 * state + fp32) - copies if fused else leafwise
   temps = {
-      "streamed layers": layer * (2 * (pb + state) + pb + fp32),
-      "vocab copies": 2 * pb * largest,
-      "update activations": s.batch * s.seq_len * (2 * s.mlp_width + 6 * s.d_model) * cb,
+      "streamed layers": streamed,
+      "vocab copies": copies,
+      "update activations": positions * (s.d_model if fused else
+                                         2 * s.mlp_width + 6 * s.d_model) * cb,
       "saved activations": acts["saved activations"],
-      "vocab update": largest * (len(vocab) * state + state + fp32)}
+      "vocab update": update}
   parts = {"layer loop": ["streamed layers", "vocab copies", "update activations",
                           "saved activations"],
            "embedding and head update": ["vocab copies", "vocab update"]}
-  args = sum(comp.values())
+  limit = _scheduler_limit(device_memory, args)
+  if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
+    # gradients; the fused update's other leaves and the state beyond one buffer in flight.
+    over = lambda part: max(sum(temps[x] for x in parts[part]) - limit, 0)  # noqa: E731
+    temps["streamed layers"] -= min(over("layer loop"), pb * layer)
+    temps["vocab update"] -= min(over("embedding and head update"),
+                                 update - leafwise + largest * (state - one))
   comp = {k: int(v) for k, v in {**comp, **temps}.items() if v}
   parts = {k: [x for x in v if x in comp] for k, v in parts.items()}
   return Estimate(s, counts.total, conventional, comp, parts, int(args), device_memory,
                   {k: int(v) for k, v in host.items() if v}, all_to_all_bytes(s, "full"),
                   host_memory)
+
+
+def _scheduler_limit(device_memory: int, arguments: int) -> int:
+  """The temporaries XLA's GPU scheduler and rematerialization keep a step within, for a
+  device whose allocator's pool (train.py's, `gpu.targets.budget` at the profile's
+  fraction) is `device_memory` (0: not known, no limit): 80% of the device's memory less
+  the step's arguments (donated: its outputs are the same buffers), times the slop
+  factor, 95% (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor).
+  Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090 compiles to
+  18.34, 18.72, 19.27 and 20.21 GiB at slop factors 80, 95, 105 and 120."""
+  if not device_memory:
+    return 0
+  device = device_memory / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES
+  return max(int((0.8 * device - arguments) * SLOP_FACTOR), 0)
