@@ -18,8 +18,9 @@ state and the saved layer inputs in host memory) on one device, with what differ
 
 Compiled by XLA's GPU compiler for one H200 (the second command, no GPU needed, nothing
 allocated): 59.71 GiB on the device, where XLA's allocator has 132.43 GiB of an H200 as
-train.py runs it, + 1.53 TiB of host memory. The planner says 64.47 GiB (1.080: it counts
-two copies of the head in the layer loop, where XLA's schedule holds one). Its bus line:
+train.py runs it, + 1.53 TiB of host memory. The planner says 60.74 GiB (1.017: with
+stochastic rounding a layer's updates run after its whole backward, holding its
+gradients, fp32 values and new state). Its bus line:
 4,169 GB over PCIe a step, 49.72 s at 50 GB/s a direction against 102.43 s of compute at
 40% MFU; the copies hide from two sequences (8,192 tokens a step). None of this has run
 on an H200.

@@ -15,11 +15,12 @@ parameters and the optimizer state in host memory) on one card, with what differ
 Compiled by XLA's GPU compiler for one RTX 4090 (the second command, no GPU needed,
 nothing allocated): 18.72 GiB on the device, where XLA's allocator has 21.84 GiB of a
 4090 as train.py runs it, + 395.34 GiB of host memory (layers 127.50, Lion moment and
-Kahan buffer 131.42 each, saved inputs 5.00). The planner says 19.92 GiB (1.064: its
-layer loop counts every state buffer of this layer and the next in flight; XLA's schedule
-has fewer). Its bus line: 986 GB over PCIe a step, 22.46 s at 25 GB/s (PCIe 4.0 x16) a
-direction against 26.85 s of compute at 40% MFU: the copies hide from one sequence (4,096
-tokens a step). None of this has run on a 4090.
+Kahan buffer 131.42 each, saved inputs 5.00). The planner says 18.43 GiB (0.984: its
+layer loop is over XLA's scheduler memory limit, 14.51 GiB of temporaries, which XLA
+meets by recomputing each gradient at its update). Its bus line: 986 GB over PCIe a
+step, 22.46 s at 25 GB/s (PCIe 4.0 x16) a direction against 26.85 s of compute at 40%
+MFU: the copies hide from one sequence (4,096 tokens a step). None of this has run on a
+4090.
 """
 
 import ml_collections

@@ -12,9 +12,11 @@ sequences a step (32,768 tokens): the copies then take a third of the compute's 
 Compiled by XLA's GPU compiler for one H100 (the second command, no GPU needed, nothing
 allocated): 63.50 GiB on the device (40 GiB of it the saved layer inputs), where XLA's
 allocator has 74.72 GiB of an H100 as train.py runs it, + 390.34 GiB of host memory. The
-planner says 65.48 GiB (1.031). Its bus line: 975 GB over PCIe a step, 11.12
-s at 50 GB/s a direction against 35.88 s of compute at 40% MFU; the copies hide from
-three sequences (12,288 tokens a step). None of this has run on an H100.
+planner says 63.89 GiB (1.006: its layer loop is over XLA's scheduler memory limit,
+56.81 GiB of temporaries, so XLA recomputes each gradient at its update). Its bus line:
+975 GB over PCIe a step, 11.12 s at 50 GB/s a direction against 35.88 s of compute at
+40% MFU; the copies hide from three sequences (12,288 tokens a step). None of this has
+run on an H100.
 """
 
 import ml_collections
