@@ -222,7 +222,7 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
   bus = plan["pcie"]
   compiled = mem["arguments"] + mem["temporaries"]
   # One card: the planner reads release on one device as XLA lays it out
-  # (`memory.step._one_device`); on 8, release written behind (0.99 of the compiled).
+  # (`memory.step._one_device`); on 8, release written behind (1.006 and 0.996).
   assert abs(plan["total"] / compiled - 1) < 0.05, plan["total"] / compiled
   node = mem["host_arguments"] * min(spec.devices, 8)
   found = [fmt_bytes(mem["arguments"] + mem["temporaries"]), fmt_bytes(pool),

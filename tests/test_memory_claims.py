@@ -125,10 +125,12 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
   compiled host buffers (state + saved inputs); its device bytes within 5% on each (one
   device: `memory.step._one_device`, 0.984 on the 4090 at XLA's scheduler memory limit,
-  1.006 on the H100, 1.017 on the H200 with stochastic rounding). The planner's
-  PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host copies
-  times its loops' trip counts (`streaming.schedule.host_traffic`): out to the byte, in
-  within 2% (each streaming loop reads its first layer once more, before the loop)."""
+  1.006 on the H100, 1.017 on the H200 with stochastic rounding, written behind). The
+  planner's PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host
+  copies times its loops' trip counts (`streaming.schedule.host_traffic`): in within 2%
+  (each streaming loop reads its first layer once more, before the loop); out to the
+  byte, or within 2% written behind (the first trip writes the last layer back as it
+  is)."""
   rows = {label[len("largest: configs/"):-3]: r for label, r in recorded().items()
           if label.startswith("largest: ")}
   assert sorted(rows) == ["405b_1xh200", "405b_8xh200", "70b_1x4090", "70b_1xh100"]
@@ -141,12 +143,14 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
     assert 0.95 < r["planner"] / r["gpu"] < 1.05, name
     pcie = list(bus.totals(bus.traffic(e.setup, e.host)))
     assert pcie == [r["planner_h2d"], r["planner_d2h"]], name
-    assert pcie[1] == r["gpu_d2h"] and 0.98 < pcie[0] / r["gpu_h2d"] <= 1, name
+    assert 0.98 < pcie[0] / r["gpu_h2d"] <= 1, name
+    assert (0.98 < pcie[1] / r["gpu_d2h"] <= 1 if e.setup.write_behind
+            else pcie[1] == r["gpu_d2h"]), name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
   assert stated(rows["405b_8xh200"]["gpu"], "120.52 GiB") == "120.52 GiB"
   assert stated(node(rows["405b_8xh200"]), "1.60 TiB") == "1.60 TiB"
-  assert stated(rows["405b_1xh200"]["gpu"], "59.71 GiB") == "59.71 GiB"
+  assert stated(rows["405b_1xh200"]["gpu"], "71.40 GiB") == "71.40 GiB"
   assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
   assert max(node(rows["405b_8xh200"]), node(rows["405b_1xh200"])) <= 2 * 2**40
   assert stated(rows["70b_1xh100"]["gpu"], "63.50 GiB") == "63.50 GiB"

@@ -155,7 +155,9 @@ def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
       # One device, release, the layer stack in host memory (memory.step._one_device):
       "streamed layers": "layers in flight: this one's and the next's params and state, "
                          "its gradient",
-      "vocab copies": "embedding/head: two copies",
+      "vocab copies": "embedding/head: " + (
+          "one copy" if s.update_rule == "stochastic" else "two copies"),
+      "written behind": "the last layer's update, written back behind",
       "update activations": "the layer's activations at its update",
       "vocab update": "embedding/head update: their state",
       "saved activations (host)": "saved activations (every layer's)",

@@ -73,6 +73,9 @@ class RunSpec:
   experts_per_token: int = 0
   expert_d_ff: int = 0
   expert: int = 1  # Devices the experts are split over (mesh.expert), within `fsdp`.
+  # Release writes each layer's update back during the next layer's trip
+  # (optimizer.release_write_behind, with a layer stack in host memory).
+  write_behind: bool = False
 
   @property
   def gathers(self) -> bool:
@@ -114,7 +117,8 @@ class RunSpec:
         post_norms=bool(m.get("post_norms", False)) and m.name == "llama",
         n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
         experts_per_token=int(m.get("experts_per_token", 0)),
-        expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert)
+        expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
+        write_behind=bool(o.get("release_write_behind", False)))
 
   @property
   def devices(self) -> int:

@@ -209,15 +209,20 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   else:
     gathered = vocab_gathered = head_grad = 0
     copies = pb * V * D  # XLA:CPU copies the embedding (stages 0-2).
+  # Written behind (a GPU reads ahead): the backward loop carries the last layer's updated
+  # shards, params and state, to the next trip, which writes them back.
+  behind = (pb + moments * sb + rule) * counts.local_layers // L if (
+      s.write_behind and platform.backend() == "gpu") else 0
   temps = {"layer gradients": layer_grads, "gradients": grads, "accumulator": accum,
            "saved activations": acts["saved activations"], "working set": acts["working set"],
            "gathered layer": gathered, "gathered head": vocab_gathered, "head gradient": head_grad,
-           "loss chunk": acts["loss chunk"], "embedding copy": copies, "streamed state": streamed}
+           "loss chunk": acts["loss chunk"], "embedding copy": copies, "streamed state": streamed,
+           "written behind": behind}
   # The temporaries alive together in each phase of the step; the peak is the largest.
   # Gradients reduced in the gathers live through the backward; others appear at its end.
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
             "gathered head", "embedding copy"]
-  parts = {"layer backward": during + ["working set", "gathered layer"],
+  parts = {"layer backward": during + ["working set", "gathered layer", "written behind"],
            "loss backward": during + ["loss chunk", "head gradient"]}
   if not through:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
@@ -289,13 +294,15 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
   update = sum(vocab) * (pb + 2 * state + fp32) - copies if fused else leafwise
   temps = {
       "streamed layers": streamed,
+      # Written behind: the last layer's update, params and state, carried to the next trip.
+      "written behind": layer * (pb + state) if s.write_behind else 0,
       "vocab copies": copies,
       "update activations": positions * (s.d_model if fused else
                                          2 * s.mlp_width + 6 * s.d_model) * cb,
       "saved activations": acts["saved activations"],
       "vocab update": update}
-  parts = {"layer loop": ["streamed layers", "vocab copies", "update activations",
-                          "saved activations"],
+  parts = {"layer loop": ["streamed layers", "written behind", "vocab copies",
+                          "update activations", "saved activations"],
            "embedding and head update": ["vocab copies", "vocab update"]}
   limit = _scheduler_limit(device_memory, args)
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
