@@ -64,19 +64,29 @@ def layer_bytes(config) -> int:
 # 8 x RTX 4090 then puts 25% of the copies' bytes under compute, at 32 all of them
 # (docs/design/offload-and-streaming.md).
 HOST_COPIES = 32
+# XLA's GPU scheduler keeps a step's temporaries within (80% of the device - the step's
+# arguments) x the slop factor, 95% by default (`GetSchedulerMemoryLimit`); over it, it
+# keeps each host copy's start and done together. Where the arguments take most of the
+# device (the 405B on 8 H200s: 94.50 of 140 GiB) that limit (16.9 GiB) is below what the
+# step holds anyway (26 GiB), and written behind it put none of the copies' time under
+# compute; at 200% all but 4%, for 3.6 GiB more (124.17 GiB of its 132.43 pool). The
+# compiled bytes, not this limit, are what each recipe is checked against.
+WRITE_BEHIND_SLOP = 200
 
 
 def for_config(config) -> list[Flag]:
   """The profile for `config`: its layer's bytes (`layer_bytes`) and whether release
   writes its updates behind (`optimizer.release_write_behind`)."""
-  return gpu_profile(layer_bytes(config),
-                     HOST_COPIES if config.optimizer.release_write_behind else 0)
+  behind = config.optimizer.release_write_behind
+  return gpu_profile(layer_bytes(config), HOST_COPIES if behind else 0,
+                     WRITE_BEHIND_SLOP if behind else 0)
 
 
 
-def gpu_profile(layer_size: int, host_copies: int = 0) -> list[Flag]:
+def gpu_profile(layer_size: int, host_copies: int = 0, slop: int = 0) -> list[Flag]:
   """The profile for a model whose layer holds `layer_size` bytes (`layer_bytes`), with
-  `host_copies` asynchronous host copies in flight (0: XLA's default, 2).
+  `host_copies` asynchronous host copies in flight (0: XLA's default, 2) and XLA's
+  scheduler memory limit at `slop` percent (0: XLA's default, 95).
 
   Stage 3 gathers each layer's parameters in the layer loop and reduce-scatters its
   gradients in the backward loop; stages 1-2 reduce-scatter gradients and all-gather
@@ -112,6 +122,12 @@ def gpu_profile(layer_size: int, host_copies: int = 0) -> list[Flag]:
         (f"--xla_gpu_experimental_parallel_async_compute_limit={host_copies}",),
         f"release writes behind: up to {host_copies} host copies in flight (XLA's default 2 "
         "queues a layer's copies behind each other, outside the matmuls)"))
+  if slop:
+    flags.append(Flag(
+        (f"--xla_gpu_memory_limit_slop_factor={slop}",),
+        f"release writes behind: XLA's scheduler plans for {slop}% of its default memory "
+        "limit, which a step whose arguments fill most of the device exceeds anyway (it "
+        "then keeps every host copy's start and done together)"))
   return flags
 
 

@@ -304,7 +304,8 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
   parts = {"layer loop": ["streamed layers", "written behind", "vocab copies",
                           "update activations", "saved activations"],
            "embedding and head update": ["vocab copies", "vocab update"]}
-  limit = _scheduler_limit(device_memory, args)
+  limit = _scheduler_limit(device_memory, args, (xla_flags.WRITE_BEHIND_SLOP / 100
+                                                 if s.write_behind else SLOP_FACTOR))
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
     # gradients; the fused update's other leaves and the state beyond one buffer in flight.
     over = lambda part: max(sum(temps[x] for x in parts[part]) - limit, 0)  # noqa: E731
@@ -318,15 +319,16 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
                   host_memory)
 
 
-def _scheduler_limit(device_memory: int, arguments: int) -> int:
+def _scheduler_limit(device_memory: int, arguments: int, slop: float = SLOP_FACTOR) -> int:
   """The temporaries XLA's GPU scheduler and rematerialization keep a step within, for a
   device whose allocator's pool (train.py's, `gpu.targets.budget` at the profile's
   fraction) is `device_memory` (0: not known, no limit): 80% of the device's memory less
   the step's arguments (donated: its outputs are the same buffers), times the slop
-  factor, 95% (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor).
+  factor, 95% (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor;
+  the GPU profile's `WRITE_BEHIND_SLOP` for a step that writes behind).
   Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090 compiles to
   18.34, 18.72, 19.27 and 20.21 GiB at slop factors 80, 95, 105 and 120."""
   if not device_memory:
     return 0
   device = device_memory / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES
-  return max(int((0.8 * device - arguments) * SLOP_FACTOR), 0)
+  return max(int((0.8 * device - arguments) * slop), 0)
