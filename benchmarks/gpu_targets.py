@@ -62,7 +62,7 @@ def measure(label, name, overrides, target, cpu):
   import jax
 
   from zerojax import build, memory
-  from zerojax.config import load_config
+  from zerojax.config import digest, load_config
   from zerojax.gpu import compile as gpu_compile, targets
   from zerojax.memory import bus, report as memory_report
   from zerojax.runtime import platform
@@ -81,7 +81,8 @@ def measure(label, name, overrides, target, cpu):
   moved = schedule.host_traffic(compiled.hlo)  # The module's host copies a step.
   planned = bus.totals(bus.traffic(e.setup, e.host))
   row = dict(label=label, config=f"configs/{name}.py", overrides=list(overrides),
-             target=str(spec), device_kind=spec.target.device_kind, budget=budget,
+             config_digest=digest(config), target=str(spec),
+             device_kind=spec.target.device_kind, budget=budget,
              memory_fraction=fraction, planner=e.total, planner_host=e.host_total,
              gpu=out["arguments"] + out["temporaries"], gpu_arguments=out["arguments"],
              gpu_temporaries=out["temporaries"], gpu_host=out["host_arguments"],

@@ -188,6 +188,15 @@ def test_bad_override(override, num_devices, key, text):
     assert f"override --config.{override}" in message, message
 
 
+def test_the_digest_follows_the_resolved_values_not_how_they_were_set():
+  """`zc.digest`: the same for a config however a value got there (its default, an
+  override naming it), other for any value changed."""
+  base = zc.digest(zc.load_config(TINY))
+  assert zc.digest(zc.load_config(TINY, ["zero.stage=3"])) == base  # tiny's own value.
+  assert zc.digest(zc.load_config(TINY, ["zero.stage=2"])) != base
+  assert zc.digest(zc.load_config(TINY, ["optimizer.learning_rate=0.5"])) != base
+
+
 def test_batch_microbatch_combination():
   zc.load_config(TINY, ["train.microbatches=2"], num_devices=8)
   with pytest.raises(zc.ConfigError, match="train.global_batch_size"):

@@ -21,6 +21,7 @@ import argparse
 import ast
 import difflib
 import functools
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -49,9 +50,17 @@ from zerojax.config.rules import resolve_mesh_shape, validate
 from zerojax.config.schema import base_config, describe
 from zerojax.runtime import exits
 
-__all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "family_preset",
+__all__ = ["ArgumentParser", "ConfigError", "base_config", "beside", "digest", "family_preset",
            "load_config", "parse_argv", "validate", "resolve_mesh_shape", "apply_override",
            "exit_on_config_error"]
+
+
+def digest(config: ml_collections.ConfigDict) -> str:
+  """A short hash of every key's value (16 hex digits): two configs that resolve alike,
+  however their files and overrides got there, have the same digest. A recorded compile
+  keeps its config's, so a change to the config (or to one it starts from) shows."""
+  text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _parse_value(text: str, kind: type, key: str, source: str) -> Any:
