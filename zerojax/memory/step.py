@@ -301,9 +301,10 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
                                          2 * s.mlp_width + 6 * s.d_model) * cb,
       "saved activations": acts["saved activations"],
       "vocab update": update}
+  # Layer 0's update, written back after the loop, may wait beside the head's update.
   parts = {"layer loop": ["streamed layers", "written behind", "vocab copies",
                           "update activations", "saved activations"],
-           "embedding and head update": ["vocab copies", "vocab update"]}
+           "embedding and head update": ["vocab copies", "vocab update", "written behind"]}
   limit = _scheduler_limit(device_memory, args, (xla_flags.WRITE_BEHIND_SLOP / 100
                                                  if s.write_behind else SLOP_FACTOR))
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
