@@ -312,7 +312,9 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
       if behind:
-        # This trip's own slices too, if read here: they are read before the write.
+        # This trip's own slices too, if read here: they are read before the write. The
+        # pullback `jax.vjp` returns is a `tree_util.Partial`: its leaves are the
+        # residuals, all computed once the recompute is.
         residuals, tree = jax.tree.flatten(vjp)
         next_p, next_s, layer_p, state, p, s, pending, residuals = jax.lax.optimization_barrier(
             (next_p, next_s, layer_p, state, p, s, pending, residuals))
