@@ -125,9 +125,9 @@ def gpu_profile(layer_size: int, host_copies: int = 0, slop: int = 0) -> list[Fl
   if slop:
     flags.append(Flag(
         (f"--xla_gpu_memory_limit_slop_factor={slop}",),
-        f"release writes behind: XLA's scheduler plans for {slop}% of its default memory "
-        "limit, which a step whose arguments fill most of the device exceeds anyway (it "
-        "then keeps every host copy's start and done together)"))
+        f"release writes behind: XLA's scheduler memory limit at {slop}%, not 95%, of 80% "
+        "of the device less the arguments, which a step whose arguments fill most of the "
+        "device exceeds anyway (it then keeps every host copy's start and done together)"))
   return flags
 
 
