@@ -35,14 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 RECIPE = os.path.join(ROOT, "configs", "70b_8x80gb.py")
 ADAMW_OFFLOAD = ["optimizer.name=adamw", "optimizer.b2=0.95", "optimizer.offload=host"]
-# README: the planner over-plans the offload and long-sequence configs on 8 devices by 3-11%
-# (planner / GPU-compiled 1.03-1.11, two decimals), where the calibrated configs are
-# 0.93-1.03.
-OVER = ("1.03", "1.11")
+# The long-sequence configs on 8 devices: planner / GPU-compiled within 5% (1.038 for
+# 70b_256k_8x80gb, 1.048 for 8b_4m_8x80gb; docs/design/long-context.md).
+WITHIN = (0.95, 1.05)
 
 
-def over_planned(planner, compiled):
-  return OVER[0] <= f"{planner / compiled:.2f}" <= OVER[1]
+def within_5_percent(planner, compiled):
+  return WITHIN[0] <= planner / compiled <= WITHIN[1]
 SFT_RECIPE = os.path.join(ROOT, "configs", "70b_sft_8x80gb.py")
 
 
@@ -170,7 +169,7 @@ def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
   assert total == "64.63", total
   assert "saved activations 40.00 GiB in host memory" in text
   e, _ = planned(path)
-  assert fmt_bytes(e.host_per_node) == "320.00 GiB" and over_planned(e.total, 64.63 * GIB)
+  assert fmt_bytes(e.host_per_node) == "320.00 GiB" and within_5_percent(e.total, 64.63 * GIB)
   # The saved inputs' reads back, as train.py reads the schedule (streaming.schedule).
   assert re.search(r"host copies in the layer loops: \d+ to the device in 1 loop body, "
                    r"\d+% of their bytes with compute scheduled under them", text), text
@@ -186,7 +185,7 @@ def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
   assert config.train.seq_len == 4_194_304
   assert fmt_bytes(mem["arguments"] + mem["temporaries"]) == "61.05 GiB", mem
   e, _ = planned("8b_4m_8x80gb")
-  assert over_planned(e.total, mem["arguments"] + mem["temporaries"])
+  assert within_5_percent(e.total, mem["arguments"] + mem["temporaries"])
   assert mem["host_temporaries"] == 32 * 524_288 * 4096 * 2 == 128 * GIB
 
 

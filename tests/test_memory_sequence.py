@@ -12,6 +12,7 @@ import pytest
 
 from zerojax import build, memory, sequence
 from zerojax.config import load_config
+from zerojax.runtime import platform
 from zerojax.testing import hlo
 
 from test_memory import CONFIGS, config, run_clis
@@ -88,6 +89,28 @@ def test_activation_offload_keeps_two_layers_of_residuals_on_the_device():
   assert off.components["saved activations"] == 2 * one
   assert off.host_per_node == 8 * off.host_total
   assert e.phases["layer backward"] - off.phases["layer backward"] == (layers - 2) * one
+
+
+def test_on_a_gpu_the_layer_backward_holds_the_saved_layer_in_use_alone():
+  """XLA's GPU compiler (sequence parallelism) reads the next layer's saved input back
+  after the layer's attention backward: with activation offload the layer's backward holds
+  one saved layer beside its working set, not the two 'saved activations' keeps
+  (configs/70b_256k_8x80gb.py, 8b_4m_8x80gb.py on h100:8). Under release an untiled MLP's
+  backward takes the down projection's weight gradient before its input gradient: three
+  [n, d_ff] values, not four; tiled, four a tile either way."""
+  e = memory.estimate(llama_8b(), 8)
+  with platform.targeting("gpu", (9, 0)):
+    plain = memory.estimate(e.setup)
+    off = memory.estimate(dataclasses.replace(e.setup, activation_offload=True))
+    released = memory.estimate(dataclasses.replace(e.setup, release=True))
+    tiled = [memory.estimate(dataclasses.replace(e.setup, mlp_chunk=1024, release=x))
+             for x in (False, True)]
+  n, one = e.setup.positions, e.setup.positions * e.setup.d_model * 2
+  assert off.components["saved activations"] == 2 * one
+  assert plain.components["working set"] - off.components["working set"] == one
+  wide = plain.components["working set"] - released.components["working set"]
+  assert wide == n * e.setup.mlp_width * 2
+  assert tiled[0].components["working set"] == tiled[1].components["working set"]
 
 
 def test_the_mlp_chunk_bounds_the_mlp_temporaries():

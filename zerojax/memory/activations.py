@@ -49,6 +49,12 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   rows = b * min(s.mlp_chunk or local, local)
   if s.model == "llama" and (s.sequence_parallel or platform.backend() != "gpu"):
     attention, mlp = _layer_backward(s, S, rows, fused)
+    if s.activation_offload and platform.backend() == "gpu":
+      # 'saved activations' keeps two layers on the device: the one in use and the next,
+      # read back from host memory. XLA's GPU schedule issues that read after the layer's
+      # attention backward (configs/70b_256k_8x80gb.py, 8b_4m_8x80gb.py): through both
+      # parts counted here the device holds the layer in use's input alone, a layer less.
+      attention, mlp = attention - n * width * cb, mlp - n * width * cb
   else:  # mlp_lm (rough), and the GPU without sequence parallelism: calibrated at 4096
     # positions (docs/design/gpu-targets.md), its (T / S) n D term over-counts long sequences.
     attention = 2 * b * H * S * T * 4 + (T // S) * n * D * 4 + 4 * n * D * 4
@@ -81,10 +87,11 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
   and the recomputed attention's whole-sequence q and output.
 
   XLA's GPU compiler (sequence parallelism) keeps everything in the compute dtype: the
-  MLP's backward holds four [.., d_ff] and ten [.., d_model] values of the slice (the
-  whole-sequence q and output among them: T x H / fsdp heads is the slice's width), its
-  k and v, and the fp32 RoPE tables. cuDNN's attention materializes no scores: q, k, v,
-  the output and their gradients over the whole sequence, six [.., d_model] of the slice
+  MLP's backward holds four [.., d_ff] (three under release, untiled) and ten
+  [.., d_model] values of the slice (the whole-sequence q and output among them: T x H /
+  fsdp heads is the slice's width), its k and v, and the fp32 RoPE tables. cuDNN's
+  attention materializes no scores: q, k, v, the output and their gradients over the
+  whole sequence, six [.., d_model] of the slice
   (never the peak in the compiles measured: the MLP's backward was, down to d_ff =
   d_model / 2).
   """
@@ -94,7 +101,12 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
                else (s.n_heads, s.n_kv_heads * Dh))
   q, n = heads * Dh, b * s.positions
   if platform.backend() == "gpu":
-    mlp = (rows * F * 4 + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
+    # Release, MLP untiled: the down projection's weight gradient (from the product, for
+    # the layer's update) comes first and frees the product before its input gradient is
+    # made: three [n, d_ff]. Tiled, each tile's weight gradients are summed over the tiles
+    # and the tile's backward holds all four.
+    wide = 3 if s.release and rows == n else 4
+    mlp = (rows * F * wide + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
     if fused:
       return b * T * (q + kv) * 4 * cb + n * D * 6 * cb, mlp
   else:
