@@ -66,6 +66,12 @@ mutate peer_watch_refusal zerojax/run/peers.py \
   "if not (lambda a, b: True)(proof, _proof(watch.secret, nonce, pid)):" \
   tests/test_protections.py::test_the_peer_watch_believes_only_a_hello_that_proves_the_secret \
   tests/test_multihost.py::test_strangers_do_not_stop_the_run_and_a_hung_process_stops_every_process
+# Written behind = written in its own trip: the pending update goes to the layer it is
+# written in (i), not the one it belongs to (i+1).
+mutate write_behind zerojax/release.py \
+  "p, s = put_back(p, s, pending, jnp.minimum(i + 1, depth - 1))" \
+  "p, s = put_back(p, s, pending, i)" \
+  tests/test_param_offload.py::test_written_behind_is_the_same_step_bit_for_bit
 # Stage 3 on XLA:CPU (issue 30's abort): the head's gather no longer waits for the layer
 # loop's (zerojax.stage3.after does nothing): the sweep's first run aborts (exit -6: 9 s
 # and 72 s in two tries).
