@@ -21,9 +21,9 @@ state and the saved layer inputs in host memory) on one device, with what differ
 
 Compiled by XLA's GPU compiler for one H200 (the second command, no GPU needed, nothing
 allocated): 71.40 GiB on the device, where XLA's allocator has 132.43 GiB of an H200 as
-train.py runs it, + 1.53 TiB of host memory. The planner says 72.62 GiB (1.017: with
-stochastic rounding a layer's updates run after its whole backward, holding its
-gradients, fp32 values and new state; the update written behind, one layer more). Its
+train.py runs it, + 1.53 TiB of host memory. The planner says 74.31 GiB (1.041: written
+behind, it reads the peak in the layer's backward, beside the next layer and the carried
+update, where XLA's is at the update; its working set at this width is not read). Its
 bus line: 4,169 GB over PCIe a step, 49.72 s at 50 GB/s a direction against 102.43 s of
 compute at 40% MFU; the copies hide from two sequences (8,192 tokens a step).
 `train.py --dry_run --target h200:1` times the compiled schedule (the matmuls at 40% of

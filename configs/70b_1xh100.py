@@ -6,17 +6,22 @@ on the device at a time.
     python -m zerojax.memory --config configs/70b_1xh100.py --target h100:1 --compile
 
 `configs/70b_8x4090.py` (Lion + Kahan, gradient release, ZeRO-3, remat 'full', the layers'
-parameters and the optimizer state in host memory) on one H100, with eight 4096-token
-sequences a step (32,768 tokens): the copies then take a third of the compute's time.
+parameters and the optimizer state in host memory, each layer's update written back
+behind, during the next layer's backward pass) on one H100, with six 4096-token
+sequences a step (24,576 tokens): the copies take less than half the compute's time.
 
 Compiled by XLA's GPU compiler for one H100 (the second command, no GPU needed, nothing
-allocated): 63.50 GiB on the device (40 GiB of it the saved layer inputs), where XLA's
+allocated): 68.02 GiB on the device (30 GiB of it the saved layer inputs), where XLA's
 allocator has 74.72 GiB of an H100 as train.py runs it, + 390.34 GiB of host memory. The
-planner says 63.89 GiB (1.006: its layer loop is over XLA's scheduler memory limit,
-56.81 GiB of temporaries, so XLA recomputes each gradient at its update). Its bus line:
-975 GB over PCIe a step, 11.12 s at 50 GB/s a direction against 35.88 s of compute at
-40% MFU; the copies hide from three sequences (12,288 tokens a step). None of this has
-run on an H100.
+planner says 68.77 GiB (1.011: written behind, the next layer's slices and the carried
+update sit beside the layer's whole backward). Its bus line: 975 GB over PCIe a step,
+11.12 s at 50 GB/s a direction against 26.91 s of compute at 40% MFU; the copies hide
+from three sequences (12,288 tokens a step). `train.py --dry_run --target h100:1` times
+the compiled schedule (the matmuls at 40% of the peak, 50 GB/s): 79% of the layer
+loops' 19.17 s of copies a step (both directions) under compute, the step waiting 4.00 s
+on them. Eight sequences written behind do not fit (83.20 GiB); eight written in their
+own trip (63.50 GiB) wait 15.49 s against 35.88 s of compute: by that timing six
+written behind train ~25% more tokens a second. None of this has run on an H100.
 """
 
 import ml_collections
@@ -26,8 +31,5 @@ from zerojax.config import beside
 
 def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "70b_8x4090.py")
-  c.train.global_batch_size = 8  # Eight sequences on the one device.
-  # Each layer's update written in its own trip: on one device a layer carried to the
-  # next trip is 5 GiB more, over the card (docs/design/offload-and-streaming.md).
-  c.optimizer.release_write_behind = False
+  c.train.global_batch_size = 6  # Six sequences on the one device, written behind.
   return c

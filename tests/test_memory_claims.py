@@ -139,7 +139,8 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
   compiled host buffers (state + saved inputs); its device bytes within 5% on each (one
   device: `memory.step._one_device`, 0.984 on the 4090 at XLA's scheduler memory limit,
-  1.006 on the H100, 1.017 on the H200 with stochastic rounding, written behind). The
+  1.011 on the H100 and 1.041 on the H200 written behind, the H200's with stochastic
+  rounding). The
   planner's PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host
   copies times its loops' trip counts (`streaming.schedule.host_traffic`): in within 2%
   (each streaming loop reads its first layer once more, before the loop); out to the
@@ -167,7 +168,7 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   assert stated(rows["405b_1xh200"]["gpu"], "71.40 GiB") == "71.40 GiB"
   assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
   assert max(node(rows["405b_8xh200"]), node(rows["405b_1xh200"])) <= 2 * 2**40
-  assert stated(rows["70b_1xh100"]["gpu"], "63.50 GiB") == "63.50 GiB"
+  assert stated(rows["70b_1xh100"]["gpu"], "68.02 GiB") == "68.02 GiB"
   assert stated(node(rows["70b_1xh100"]), "390.34 GiB") == "390.34 GiB"
   assert stated(rows["70b_1x4090"]["gpu"], "18.72 GiB") == "18.72 GiB"
   assert stated(node(rows["70b_1x4090"]), "395.34 GiB") == "395.34 GiB"

@@ -158,6 +158,7 @@ def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
       "vocab copies": "embedding/head: " + (
           "one copy" if s.update_rule == "stochastic" else "two copies"),
       "written behind": "the last layer's update, written back behind",
+      "backward layers": "layers in flight in the backward: params, state, gradient",
       "update activations": "the layer's activations at its update",
       "vocab update": "embedding/head update: their state",
       "saved activations (host)": "saved activations (every layer's)",

@@ -300,11 +300,19 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
       "update activations": positions * (s.d_model if fused else
                                          2 * s.mlp_width + 6 * s.d_model) * cb,
       "saved activations": acts["saved activations"],
+      "working set": acts["working set"] if s.write_behind else 0,
+      # In the backward, before the layer's update: the slices in flight and its gradients
+      # (stochastic rounding's fp32 values and new state come after).
+      "backward layers": layer * (2 * (pb + state) + pb) if s.write_behind else 0,
       "vocab update": update}
   # Layer 0's update, written back after the loop, may wait beside the head's update.
   parts = {"layer loop": ["streamed layers", "written behind", "vocab copies",
                           "update activations", "saved activations"],
            "embedding and head update": ["vocab copies", "vocab update", "written behind"]}
+  if s.write_behind:  # The next layer's slices land before the backward (release's
+    # barrier), so they and the carried update sit beside the layer's whole backward.
+    parts["layer backward"] = ["backward layers", "written behind", "vocab copies",
+                               "working set", "saved activations"]
   limit = _scheduler_limit(device_memory, args, (xla_flags.WRITE_BEHIND_SLOP / 100
                                                  if s.write_behind else SLOP_FACTOR))
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
