@@ -24,6 +24,14 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, 
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
+def _computation(line: str) -> str | None:
+  """The computation a module text's line opens (`%name (...) -> ... {`, `ENTRY ...`),
+  None for any other line."""
+  if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
+    return re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
+  return None
+
+
 class HostMove(NamedTuple):
   """One asynchronous move between host memory (`S(5)`) and the device in a scheduled
   (compiled) module: a copy or a dynamic-(update-)slice fusion, started and done apart.
@@ -72,8 +80,8 @@ def host_moves(hlo_text: str) -> list[HostMove]:
   moves, open_, comp = [], {}, ""
   compute = re.compile(r"gemm|custom-call|cudnn|-start$")
   for line in hlo_text.splitlines():
-    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
-      comp, open_ = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1), {}
+    if opened := _computation(line):
+      comp, open_ = opened, {}
       continue
     if not (inst := _INSTRUCTION.match(line)):
       continue
@@ -110,8 +118,8 @@ def executions(hlo_text: str) -> dict[str, float]:
   whose trip count XLA does not know."""
   callers, comp, entry = {}, "", ""
   for line in hlo_text.splitlines():
-    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
-      comp = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
+    if opened := _computation(line):
+      comp = opened
       entry = comp if line.startswith("ENTRY") else entry
       continue
     if " while(" in line and (body := re.search(r"\bbody=%?([\w.\-]+)", line)):
@@ -202,11 +210,9 @@ def _computations(hlo_text: str) -> tuple[dict, dict]:
   instruction or parameter name -> its type), from a module's text."""
   comps, types, comp = {}, {}, None
   for line in hlo_text.splitlines():
-    if line[:1].strip() and line.rstrip().endswith("{") and "HloModule" not in line:
-      head = _COMPUTATION.match(line)
-      comp = head.group(1) if head else re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)", line).group(1)
-      comps[comp] = []
-      if head:
+    if opened := _computation(line):
+      comp, comps[opened] = opened, []
+      if head := _COMPUTATION.match(line):  # Its parameters' types.
         types.update(_PARAM.findall(head.group(2)))
       continue
     if comp is not None and (inst := _INSTRUCTION.match(line)):
