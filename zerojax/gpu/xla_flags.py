@@ -72,15 +72,22 @@ HOST_COPIES = 32
 # compute; at 200% all but 4%, for 3.6 GiB more (124.17 GiB of its 132.43 pool). The
 # compiled bytes, not this limit, are what each recipe is checked against.
 WRITE_BEHIND_SLOP = 200
+DEFAULT_SLOP = 95  # XLA's own.
+
+
+def scheduler_slop(write_behind: bool) -> int:
+  """The slop factor, in percent, XLA's scheduler memory limit runs at under the profile
+  (`for_config`): what the planner reads XLA's one-device schedule against."""
+  return WRITE_BEHIND_SLOP if write_behind else DEFAULT_SLOP
 
 
 def for_config(config) -> list[Flag]:
   """The profile for `config`: its layer's bytes (`layer_bytes`) and whether release
   writes its updates behind (`optimizer.release_write_behind`)."""
   behind = config.optimizer.release_write_behind
+  slop = scheduler_slop(behind)
   return gpu_profile(layer_bytes(config), HOST_COPIES if behind else 0,
-                     WRITE_BEHIND_SLOP if behind else 0)
-
+                     slop if slop != DEFAULT_SLOP else 0)
 
 
 def gpu_profile(layer_size: int, host_copies: int = 0, slop: int = 0) -> list[Flag]:

@@ -22,8 +22,6 @@ __all__ = ["DEVICES_PER_NODE", "Estimate", "estimate"]
 # Layers of parameter shards on the device with param offload and release: the layer in
 # use, the next one arriving from host memory, the updated one being written back.
 PARAM_OFFLOAD_LAYERS = 3
-# XLA's GPU memory limit's slop factor (xla_gpu_memory_limit_slop_factor's default, 95%).
-SLOP_FACTOR = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,8 +311,7 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
     # barrier), so they and the carried update sit beside the layer's whole backward.
     parts["layer backward"] = ["backward layers", "written behind", "vocab copies",
                                "working set", "saved activations"]
-  limit = _scheduler_limit(device_memory, args, (xla_flags.WRITE_BEHIND_SLOP / 100
-                                                 if s.write_behind else SLOP_FACTOR))
+  limit = _scheduler_limit(device_memory, args, xla_flags.scheduler_slop(s.write_behind) / 100)
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
     # gradients; the fused update's other leaves and the state beyond one buffer in flight.
     over = lambda part: max(sum(temps[x] for x in parts[part]) - limit, 0)  # noqa: E731
@@ -328,13 +325,13 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
                   host_memory)
 
 
-def _scheduler_limit(device_memory: int, arguments: int, slop: float = SLOP_FACTOR) -> int:
+def _scheduler_limit(device_memory: int, arguments: int, slop: float) -> int:
   """The temporaries XLA's GPU scheduler and rematerialization keep a step within, for a
   device whose allocator's pool (train.py's, `gpu.targets.budget` at the profile's
   fraction) is `device_memory` (0: not known, no limit): 80% of the device's memory less
   the step's arguments (donated: its outputs are the same buffers), times the slop
-  factor, 95% (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor;
-  the GPU profile's `WRITE_BEHIND_SLOP` for a step that writes behind).
+  factor `slop` (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor:
+  95% by default, the GPU profile's `xla_flags.scheduler_slop`).
   Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090 compiles to
   18.34, 18.72, 19.27 and 20.21 GiB at slop factors 80, 95, 105 and 120."""
   if not device_memory:
