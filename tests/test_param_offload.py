@@ -231,6 +231,12 @@ def test_param_offload_needs_stage_3_and_host_memory():
                       tx, logical_axes=model.logical_axes(), param_offload=True)
 
 
+# The GPU-target tests' model: tiny.py's Llama at width 256, 6 layers, release at stage 3.
+GPU_RELEASE = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
+               "model.n_layers=6", "train.seq_len=512", "train.global_batch_size=8",
+               "mesh.data=1", "zero.stage=3", "optimizer.release=True", "optimizer.grad_clip=0"]
+
+
 @pytest.mark.skipif(not targets.plugin_installed(), reason="XLA's GPU compiler is in JAX's "
                     "CUDA plugin: pip install -e '.[gpu-compile]'")
 def test_on_a_gpu_the_layers_live_in_host_memory_and_arrive_one_layer_ahead():
@@ -245,11 +251,8 @@ def test_on_a_gpu_the_layers_live_in_host_memory_and_arrive_one_layer_ahead():
   scheduled between start and done (measured: 89% in the forward loop, 80% in the
   backward; XLA keeps at most two host copies in flight, and a few land between two
   compute ops)."""
-  layers = 6
-  overrides = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
-               f"model.n_layers={layers}", "train.seq_len=512", "train.global_batch_size=8",
-               "mesh.data=1", "zero.stage=3", "optimizer.release=True", "optimizer.grad_clip=0"]
-  config = load_config("configs/tiny.py", [*overrides, "zero.param_offload=host"], num_devices=8)
+  config = load_config("configs/tiny.py", [*GPU_RELEASE, "zero.param_offload=host"],
+                       num_devices=8)
   built = build.build(config)
   out = gpu_compile.compile_step(built, config, targets.parse("rtx4090:8"))
   plan = built.plan
@@ -298,10 +301,7 @@ def test_on_a_gpu_written_behind_the_copies_run_under_the_matmuls():
   matmuls. Timed along the schedule (`streaming.schedule.timed_step`) at 1 TFLOP/s, a
   rate at which this small layer's matmuls outlast its copies: measured 19% of the
   copies' time under compute in their own trip, 91% written behind."""
-  overrides = ["model.d_model=256", "model.n_heads=8", "model.n_kv_heads=8", "model.d_ff=512",
-               "model.n_layers=6", "train.seq_len=512", "train.global_batch_size=8",
-               "mesh.data=1", "zero.stage=3", "optimizer.release=True", "optimizer.grad_clip=0",
-               "zero.param_offload=host", "optimizer.offload=host"]
+  overrides = [*GPU_RELEASE, "zero.param_offload=host", "optimizer.offload=host"]
   hidden = {}
   for behind in (False, True):
     config = load_config("configs/tiny.py", [*overrides,
