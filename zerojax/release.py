@@ -297,16 +297,16 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     def body(i, saved, carry):
       ct, p, s, skipped, grad_sq, update_sq, (layer_p, state), pending = carry
       before = jnp.maximum(i - 1, 0)
-      if behind:  # Ordered by the barrier below.
-        next_p = params_at(p, before) if ahead_p else None
-        next_s = state_at(s, before) if ahead_s else None
-      elif ahead_p:
-        next_p, p = streaming.read_ahead(p, lambda p: params_at(p, before))
-      if not ahead_p:  # Nothing carried: each trip reads its own layer.
+      # A read ahead comes before the trip's write of its stack: by `read_ahead`'s
+      # barrier, or written behind, by the barrier below.
+      order = (lambda t, read: (read(t), t)) if behind else streaming.read_ahead
+      if ahead_p:
+        next_p, p = order(p, lambda p: params_at(p, before))
+      else:  # Nothing carried: each trip reads its own layer.
         layer_p, next_p = params_at(p, i), None
-      if ahead_s and not behind:
-        next_s, s = streaming.read_ahead(s, lambda s: state_at(s, before))
-      elif not ahead_s:  # `apply` brings an offloaded slice over itself.
+      if ahead_s:
+        next_s, s = order(s, lambda s: state_at(s, before))
+      else:  # `apply` brings an offloaded slice over itself.
         state, next_s = views.state(s, i), None
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
