@@ -174,6 +174,8 @@ BAD_OVERRIDES = [
     ("train.global_batch_size=20", 8, "train.global_batch_size", "16 or 24"),
     ("optimizer.release_write_behind=true", None, "optimizer.release_write_behind",
      "needs gradient release and a layer stack in host memory"),
+    ("optimizer.release_writes_first=true", None, "optimizer.release_writes_first",
+     "needs optimizer.release_write_behind=True"),
 ]
 
 

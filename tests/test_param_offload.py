@@ -58,8 +58,10 @@ def make_step(kind, plan, model, tx):
     return make_release_step(plan, model.layered(), tx, microbatches=2, read_ahead=True,
                              accumulation="optimizer", max_grad_norm=0.2, clipping="per_layer",
                              write_behind=kind.endswith("behind"))
-  if kind == "release behind":  # Read ahead, each layer's update written in the next trip.
-    return make_release_step(plan, model.layered(), tx, read_ahead=True, write_behind=True)
+  if kind in ("release behind", "release first"):  # Read ahead, each layer's update
+    # written in the next trip: after its reads, or first.
+    return make_release_step(plan, model.layered(), tx, read_ahead=True, write_behind=True,
+                             writes_first=kind == "release first")
   return make_release_step(plan, model.layered(), tx, read_ahead=kind == "release ahead")
 
 
@@ -119,21 +121,23 @@ def test_offloaded_params_train_bit_for_bit_as_params_on_the_device(name, dtype,
   assert kinds == [["pinned_host" if m else "device" for m in layered]] * STEPS
 
 
-@pytest.mark.parametrize("kind", ["release", "release accumulation"])
+@pytest.mark.parametrize("kind", ["release behind", "release first",
+                                  "release accumulation behind"])
 def test_written_behind_is_the_same_step_bit_for_bit(kind):
   """Release with the params and optimizer state in host memory, read ahead and written
   behind (each layer's update goes back during the next layer's trip, after its
-  recompute; the first trip writes the last layer back unchanged, layer 0 goes back
+  recompute or, writes first, before the trip's reads; each layer's state read in its
+  own trip; the first trip writes the last layer back unchanged, layer 0 goes back
   after the loop; with optimizer accumulation, in each microbatch's loop): 5 bf16 Kahan
   steps equal bit for bit to the same step writing each layer back in its own trip, the
   offloaded leaves in host memory after every step."""
-  data = batches(STEPS, batch=16 if kind == "release accumulation" else 8)
-  ahead = "release ahead" if kind == "release" else kind
+  accumulation = kind.startswith("release accumulation")
+  data = batches(STEPS, batch=16 if accumulation else 8)
+  ahead = "release accumulation" if accumulation else "release ahead"
   model, tx, plan, step = planned_step(ahead, "llama", "bfloat16", params=True, state=True)
   want, _ = train(ahead, plan, model, tx, data, step)
-  model, tx, plan, step = planned_step(f"{kind} behind", "llama", "bfloat16", params=True,
-                                       state=True)
-  got, kinds = train(f"{kind} behind", plan, model, tx, data, step)
+  model, tx, plan, step = planned_step(kind, "llama", "bfloat16", params=True, state=True)
+  got, kinds = train(kind, plan, model, tx, data, step)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
                           jax.tree.leaves(got), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a),

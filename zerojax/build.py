@@ -85,7 +85,8 @@ def build(config, devices=None) -> Built:
         accumulation=c.optimizer.release_accumulation, max_grad_norm=c.optimizer.grad_clip,
         clipping=c.optimizer.release_clipping, learning_rate=schedule,
         reduce_dtype=c.precision.reduce_dtype, loss_scaling=loss_scaling, upcast_params=upcast,
-        write_behind=c.optimizer.release_write_behind)
+        write_behind=c.optimizer.release_write_behind,
+        writes_first=c.optimizer.release_writes_first)
   else:
     train_step = zerojax.make_train_step(
         plan, model.loss, tx, microbatches=t.microbatches, max_grad_norm=c.optimizer.grad_clip,

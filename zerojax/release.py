@@ -127,7 +127,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       upcast_params: str = "none",
                       donate: bool = True,
                       read_ahead: bool | None = None,
-                      write_behind: bool = False) -> Callable[[step_lib.TrainState, PyTree],
+                      write_behind: bool = False,
+                      writes_first: bool = False) -> Callable[[step_lib.TrainState, PyTree],
                                                        tuple[step_lib.TrainState, dict]]:
   """Returns the jitted `step(state, batch) -> (state, metrics)` with gradient release.
 
@@ -165,7 +166,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
       forward pass is recomputed, instead of at the end of its own trip: the copies
       back then run under the next layer's backward matmuls, and the reads ahead under
       its recompute (one more layer of params and optimizer state on the device, and
-      its residuals held a little longer). Numerically the same step.
+      its residuals held a little longer). A layer's optimizer state is then read in
+      its own trip, not the one before: carried, it would be a third layer's state on
+      the device. Layer 0's update goes back after the loop, before the embedding's
+      backward pass. Numerically the same step.
+    writes_first: written behind, each trip writes the carried update first, under the
+      recompute, and reads after it, under the backward matmuls: the update leaves the
+      device before the backward pass instead of sitting beside it (the least device
+      memory; XLA's schedule decides which order hides more of the copies).
 
   Returns:
     A `jax.jit` function, as `make_train_step`'s, whose metrics are loss, grad_norm
@@ -202,8 +210,8 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   # Offloaded optimizer state: layer i's slice comes to the device for its update.
   apply = streaming.streamed(functools.partial(updates.apply, tx), plan)
   arrived = streaming.streamed(functools.partial(updates.apply, tx), plan, arrived=True)
-  # Read ahead and written behind: the state arrived and its update stays on the device
-  # until the next trip writes it back.
+  # Written behind: the state read to the device in its layer's trip, and its update
+  # kept there until the next trip writes it back.
   kept = functools.partial(updates.apply, tx)
   total = lambda x: jax.lax.psum(x, plan.shard_axes)
   clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
@@ -260,17 +268,21 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     # RAM (the moves lower to nothing), and there the backward barrier costs a copy of
     # the stacks it reads (43 GiB of optimizer state at 70B).
     ahead = read_ahead if read_ahead is not None else platform.backend() != "cpu"
-    ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload
-    params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
-    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
     # Written behind (`write_behind`): trip i writes layer i+1's update, carried from the
     # trip before. XLA must finish a trip's reads of a stack before its in-place write
     # into it, and its scheduler does not see the matmuls' time (a gemm costs it almost
     # nothing): left alone it puts both at one end of the trip, one waiting for the
-    # other. One barrier on the reads, the stacks, the pending update and the residuals
-    # of the layer's recomputed forward pass splits the trip: the reads land under the
-    # recompute, the writes start after it and run under the backward matmuls.
-    behind = write_behind and (ahead_p or ahead_s)
+    # other. Reads first, one barrier on the reads, the stacks, the pending update and
+    # the residuals of the layer's recomputed forward pass splits the trip: the reads
+    # land under the recompute, the writes start after it and run under the backward
+    # matmuls. Writes first (`writes_first`), the trip's reads are of the written
+    # stacks: each leaf's read follows its write, and no barrier is needed.
+    # A trip reads its own layer's state then: read ahead, it would be a third layer's
+    # on the device, beside the carried update and the layer read ahead.
+    behind = write_behind and ahead and (plan.param_offload or plan.offload)
+    ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload and not behind
+    params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
+    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
 
     def put_back(p, s, update, i):
       """The stacks with layer i's (params, state) `update`, both on the device, written
@@ -296,9 +308,12 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
 
     def body(i, saved, carry):
       ct, p, s, skipped, grad_sq, update_sq, (layer_p, state), pending = carry
-      before = jnp.maximum(i - 1, 0)
+      before, written = jnp.maximum(i - 1, 0), jnp.minimum(i + 1, depth - 1)
+      if behind and writes_first:
+        p, s = put_back(p, s, pending, written)
       # A read ahead comes before the trip's write of its stack: by `read_ahead`'s
-      # barrier, or written behind, by the barrier below.
+      # barrier, or written behind, by the barrier below (reads first) or the write
+      # before it (writes first).
       order = (lambda t, read: (read(t), t)) if behind else streaming.read_ahead
       if ahead_p:
         next_p, p = order(p, lambda p: params_at(p, before))
@@ -306,12 +321,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         layer_p, next_p = params_at(p, i), None
       if ahead_s:
         next_s, s = order(s, lambda s: state_at(s, before))
+      elif behind:  # Its own layer's, kept on the device with its update.
+        state, next_s = state_at(s, i), None
       else:  # `apply` brings an offloaded slice over itself.
         state, next_s = views.state(s, i), None
       x = jax.tree.map(stage3.from_bits, saved, ct)
       _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
                        x)
-      if behind:
+      if behind and not writes_first:
         # This trip's own slices too, if read here: they are read before the write. The
         # pullback `jax.vjp` returns is a `tree_util.Partial`: its leaves are the
         # residuals, all computed once the recompute is.
@@ -319,12 +336,12 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
         next_p, next_s, layer_p, state, p, s, pending, residuals = jax.lax.optimization_barrier(
             (next_p, next_s, layer_p, state, p, s, pending, residuals))
         vjp = jax.tree.unflatten(tree, residuals)
-        p, s = put_back(p, s, pending, jnp.minimum(i + 1, depth - 1))
+        p, s = put_back(p, s, pending, written)
       g, ct = vjp(ct)
       g = reduced(g, dims[stack], experts[stack])
       finite = agree(precision.all_finite(g))
       squares = updates.sum_squares(g, copies[stack], mean_scale)
-      update = kept if behind and ahead_s else arrived if ahead_s else apply
+      update = kept if behind else arrived if ahead_s else apply
       new_p, new_s, update_squares = update(
           {**layer_p, stack: g}, state, layer_p, finite=finite,
           scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
@@ -347,8 +364,11 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
     ct, p, s, skipped, grad_sq, update_sq, _, pending = streaming.backward_layers(body, (
         ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first,
         (last_p, last_s) if behind else None), inputs, depth, parts.offload)
-    if behind:  # Layer 0's update, after the loop.
+    if behind:  # Layer 0's update, after the loop, back before the embedding's backward:
+      # held on the device through the embedding and head's update instead, it would sit
+      # beside their state (4.8 GiB more for the 70B on one RTX 4090, over its pool).
       p, s = put_back(p, s, pending, 0)
+      p, s, ct = jax.lax.optimization_barrier((p, s, ct))
     p, s = views.from_rows(p), views.state_from_rows(s)
 
     (d_embed,) = embed_vjp(ct)

@@ -353,7 +353,8 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: 
   # Turning release off also resets the keys only release reads.
   off = {"optimizer.release": False, **{f"optimizer.{k}": "none" for k in (
       "release_accumulation", "release_clipping") if o[k] != "none"},
-         **({"optimizer.release_write_behind": False} if o.release_write_behind else {})}
+         **{f"optimizer.{k}": False for k in ("release_write_behind", "release_writes_first")
+            if o[k]}}
   offloaded = "host" in (config.zero.param_offload, o.offload)
   if o.release_write_behind and not (o.release and offloaded):
     raise ConfigError(
@@ -364,6 +365,14 @@ def _check_release(config: ml_collections.ConfigDict, fsdp: int | None, source: 
         source=source_of(source, "optimizer.release_write_behind", "optimizer.release",
                          "zero.param_offload", "optimizer.offload"),
         fix=fixes({"optimizer.release_write_behind": False}))
+  if o.release_writes_first and not o.release_write_behind:
+    raise ConfigError(
+        "orders the writes of an update carried to the next trip: it needs "
+        "optimizer.release_write_behind=True.", key="optimizer.release_writes_first",
+        source=source_of(source, "optimizer.release_writes_first",
+                         "optimizer.release_write_behind"),
+        fix=fixes({"optimizer.release_writes_first": False},
+                  {"optimizer.release_write_behind": True}))
   if not o.release:
     for key in ("release_accumulation", "release_clipping"):
       if o[key] != "none":

@@ -157,6 +157,11 @@ _ROWS = (
           "goes back to host memory under the next layer's backward matmuls, not after its "
           "own, and the reads ahead under its recompute (one more layer of params and state "
           "on the device; XLA may keep 32 host copies in flight). The same step."),
+    Field("optimizer.release_writes_first", False, "With release_write_behind: each trip "
+          "writes the carried update first, under the layer's recompute, and reads the next "
+          "layer after it, under the backward matmuls: the update leaves the device before "
+          "the backward pass (less device memory; the dry run's timed schedule says which "
+          "order hides more of the copies). The same step."),
     Field("optimizer.offload", "none", "'host': the moments and Kahan / master buffers live "
           "in pinned host memory, streamed to the device one layer at a time for the update.",
           choices=("none", "host")),
