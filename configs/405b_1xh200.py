@@ -16,14 +16,14 @@ state and the saved layer inputs in host memory) on one device, with what differ
 * four 4096-token sequences a step (16,384 tokens): the copies then take less time than
   the compute (below);
 * each layer's update goes back to host memory behind, during the next layer's backward
-  pass (`optimizer.release_write_behind`): 11.7 GiB more on the device (a layer's params
-  and Lion moment carried one trip), the copies back under the next layer's matmuls.
+  pass (`optimizer.release_write_behind`): 4.85 GiB more on the device (a layer's params
+  and Lion moment carried one trip, less the next layer's moment, then read in its own
+  trip), the copies back under the next layer's matmuls.
 
 Compiled by XLA's GPU compiler for one H200 (the second command, no GPU needed, nothing
-allocated): 71.40 GiB on the device, where XLA's allocator has 132.43 GiB of an H200 as
-train.py runs it, + 1.53 TiB of host memory. The planner says 74.31 GiB (1.041: written
-behind, it reads the peak in the layer's backward, beside the next layer and the carried
-update, where XLA's is at the update; its working set at this width is not read). Its
+allocated): 64.56 GiB on the device, where XLA's allocator has 132.43 GiB of an H200 as
+train.py runs it, + 1.53 TiB of host memory. The planner says 66.68 GiB (1.033; both
+peaks at a layer's update, beside the carried one). Its
 bus line: 4,169 GB over PCIe a step, 49.72 s at 50 GB/s a direction against 102.43 s of
 compute at 40% MFU; the copies hide from two sequences (8,192 tokens a step).
 `train.py --dry_run --target h200:1` times the compiled schedule (the matmuls at 40% of
@@ -42,5 +42,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.zero.param_offload = "host"  # The layer stack: 748 GiB of host memory.
   c.optimizer.update_rule = "stochastic"  # No Kahan buffer: 756 GiB of host memory less.
   c.train.global_batch_size = 4  # Four sequences on the one device.
-  c.optimizer.release_write_behind = True  # The copies back under the next layer: +11.7 GiB.
+  c.optimizer.release_write_behind = True  # The copies back under the next layer: +4.9 GiB.
   return c

@@ -17,10 +17,10 @@ offload.
   ahead under its recompute.
 
 Compiled by XLA's GPU compiler for 8 x RTX 4090 24GB (the second command, no GPU
-needed, nothing allocated): 501.02 MiB of arguments + 15.44 GiB of temporaries = 15.93
+needed, nothing allocated): 501.02 MiB of arguments + 15.07 GiB of temporaries = 15.56
 GiB a device, where XLA's allocator has 21.84 GiB of a 4090 as train.py runs it; + 48.79
 GiB of host memory a device (layer shards 15.94, Lion moment 16.43, Kahan buffer 16.43):
-390.34 GiB a node. The planner's estimate 16.07 GiB (1.009), and its bus line: 121.9 GB
+390.34 GiB a node. The planner's estimate 16.07 GiB (1.033), and its bus line: 121.9 GB
 over PCIe per step and device, 2.78 s at 25 GB/s (PCIe 4.0 x16) against 26.85 s of
 compute at 40% MFU, so the copies can hide behind compute (none of this has run on a
 4090: these are compiled bytes and the planner's arithmetic).
@@ -41,5 +41,5 @@ def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "70b_8x80gb.py")
   c.zero.param_offload = "host"  # 16 GiB of layer shards a device, in host memory.
   c.optimizer.offload = "host"  # Lion's moment and the Kahan buffer: 16 GiB a device more.
-  c.optimizer.release_write_behind = True  # The copies back under the next layer: +1.1 GiB.
+  c.optimizer.release_write_behind = True  # The copies back under the next layer: +0.8 GiB.
   return c

@@ -14,11 +14,11 @@ Each layer's state goes back behind, during the next layer's backward pass
 (`optimizer.release_write_behind`), under its matmuls.
 
 Compiled by XLA's GPU compiler for 8 x L40S 48GB (the second command, no GPU needed,
-nothing allocated): 31.55 GiB a device, where XLA's allocator has 41.79 GiB of an L40S
+nothing allocated): 31.06 GiB a device, where XLA's allocator has 41.79 GiB of an L40S
 as train.py runs it; + 32.85 GiB of host memory a device (262.83 GiB a node). The
-planner's estimate 31.41 GiB (0.996); PCIe 70.6 GB per step and device, 1.41 s at 25 GB/s
+planner's estimate 31.41 GiB (1.011); PCIe 70.6 GB per step and device, 1.41 s at 25 GB/s
 (PCIe 4.0 x16) against 12.25 s of compute at 40% MFU. `configs/70b_8x4090.py`'s
-parameter offload on top: 15.93 GiB a device, for cards of 24 GB.
+parameter offload on top: 15.56 GiB a device, for cards of 24 GB.
 
 `train.py --dry_run --target` reads the compiled schedule: 36 copies to the device in 1
 loop body, 100% of their bytes with compute scheduled under them; timed along it
@@ -35,5 +35,5 @@ from zerojax.config import beside
 def get_config() -> ml_collections.ConfigDict:
   c = beside(__file__, "70b_8x80gb.py")
   c.optimizer.offload = "host"  # Lion's moment and the Kahan buffer: 16 GiB a device.
-  c.optimizer.release_write_behind = True  # The copies back under the next layer: +1.3 GiB.
+  c.optimizer.release_write_behind = True  # The copies back under the next layer: +0.8 GiB.
   return c

@@ -193,9 +193,9 @@ def test_the_8b_trains_on_4m_token_sequences_on_8_h100s():
 # device / a node, PCIe bytes a step, their time at 25 GB/s, the compute at 40% MFU, and
 # the share of the layer loops' host copies with compute scheduled under them.
 SMALL_CARDS = {
-    "70b_8x4090": ("rtx4090:8", True, "15.93 GiB", "21.84 GiB", "48.79 GiB", "390 GiB",
+    "70b_8x4090": ("rtx4090:8", True, "15.56 GiB", "21.84 GiB", "48.79 GiB", "390 GiB",
                    "121.9 GB", "2.78 s", "26.85 s", "100%"),
-    "70b_8xl40s": ("l40s:8", False, "31.55 GiB", "41.79 GiB", "32.85 GiB", "263 GiB",
+    "70b_8xl40s": ("l40s:8", False, "31.06 GiB", "41.79 GiB", "32.85 GiB", "263 GiB",
                    "70.6 GB", "1.41 s", "12.25 s", "100%"),
     "8b_1x4090": ("rtx4090:1", True, "12.77 GiB", "21.84 GiB", "57.87 GiB", None,
                   "138.2 GB", "3.04 s", "2.99 s", "61%"),
@@ -221,7 +221,7 @@ def test_the_small_card_recipes_fit_their_cards_and_a_node_s_host_memory(name, c
   bus = plan["pcie"]
   compiled = mem["arguments"] + mem["temporaries"]
   # One card: the planner reads release on one device as XLA lays it out
-  # (`memory.step._one_device`); on 8, release written behind (1.009 and 0.996).
+  # (`memory.step._one_device`); on 8, release written behind (1.033 and 1.011).
   assert abs(plan["total"] / compiled - 1) < 0.05, plan["total"] / compiled
   node = mem["host_arguments"] * min(spec.devices, 8)
   found = [fmt_bytes(mem["arguments"] + mem["temporaries"]), fmt_bytes(pool),

@@ -138,9 +138,8 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
   H200, a 70B on one H100 and on one RTX 4090; host memory at most 2 TiB a node for the
   405B, 512 GiB for the 4090. The planner, rerun here: its host bytes within 1% of the
   compiled host buffers (state + saved inputs); its device bytes within 5% on each (one
-  device: `memory.step._one_device`, 0.984 on the 4090 at XLA's scheduler memory limit,
-  1.011 on the H100 and 1.041 on the H200 written behind, the H200's with stochastic
-  rounding). The
+  device: `memory.step._one_device`, written behind: 0.994 on the 4090, written first,
+  0.983 on the H100 and 1.033 on the H200, the H200's with stochastic rounding). The
   planner's PCIe bytes a step (`memory.bus.traffic`) against the compiled module's host
   copies times its loops' trip counts (`streaming.schedule.host_traffic`): in within 2%
   (each streaming loop reads its first layer once more, before the loop); out to the
@@ -163,14 +162,14 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
             else pcie[1] == r["gpu_d2h"]), name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
-  assert stated(rows["405b_8xh200"]["gpu"], "124.17 GiB") == "124.17 GiB"
+  assert stated(rows["405b_8xh200"]["gpu"], "122.38 GiB") == "122.38 GiB"
   assert stated(node(rows["405b_8xh200"]), "1.60 TiB") == "1.60 TiB"
-  assert stated(rows["405b_1xh200"]["gpu"], "71.40 GiB") == "71.40 GiB"
+  assert stated(rows["405b_1xh200"]["gpu"], "64.56 GiB") == "64.56 GiB"
   assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
   assert max(node(rows["405b_8xh200"]), node(rows["405b_1xh200"])) <= 2 * 2**40
-  assert stated(rows["70b_1xh100"]["gpu"], "68.02 GiB") == "68.02 GiB"
+  assert stated(rows["70b_1xh100"]["gpu"], "65.07 GiB") == "65.07 GiB"
   assert stated(node(rows["70b_1xh100"]), "390.34 GiB") == "390.34 GiB"
-  assert stated(rows["70b_1x4090"]["gpu"], "18.72 GiB") == "18.72 GiB"
+  assert stated(rows["70b_1x4090"]["gpu"], "19.70 GiB") == "19.70 GiB"
   assert stated(node(rows["70b_1x4090"]), "395.34 GiB") == "395.34 GiB"
   assert node(rows["70b_1x4090"]) <= 512 * 2**30
 

@@ -76,6 +76,9 @@ class RunSpec:
   # Release writes each layer's update back during the next layer's trip
   # (optimizer.release_write_behind, with a layer stack in host memory).
   write_behind: bool = False
+  # ... and writes it first in that trip, before the trip's reads
+  # (optimizer.release_writes_first).
+  writes_first: bool = False
 
   @property
   def gathers(self) -> bool:
@@ -118,7 +121,8 @@ class RunSpec:
         n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
         experts_per_token=int(m.get("experts_per_token", 0)),
         expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
-        write_behind=bool(o.get("release_write_behind", False)))
+        write_behind=bool(o.get("release_write_behind", False)),
+        writes_first=bool(o.get("release_writes_first", False)))
 
   @property
   def devices(self) -> int:

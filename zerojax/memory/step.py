@@ -220,7 +220,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   # Gradients reduced in the gathers live through the backward; others appear at its end.
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
             "gathered head", "embedding copy"]
-  parts = {"layer backward": during + ["working set", "gathered layer", "written behind"],
+  # Written first, the carried update is gone before the layer's backward.
+  parts = {"layer backward": during + ["working set", "gathered layer"] + (
+               [] if s.writes_first else ["written behind"]),
            "loss backward": during + ["loss chunk", "head gradient"]}
   if not through:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
@@ -286,31 +288,37 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
   acts = activations(s, counts, "full")
   host["saved activations"] = acts["saved activations (host)"]
   positions = s.batch * s.seq_len
-  streamed = layer * (2 * (pb + state) + pb + fp32 + (state if fused else 0))
+  # Written behind, a trip reads its own layer's state, not the next one's.
+  ahead = 0 if s.write_behind else state
+  streamed = layer * (2 * pb + state + ahead + pb + fp32 + (state if fused else 0))
   copies = (1 if fused else 2) * pb * largest
   leafwise = 2 * pb * largest + largest * (len(vocab) * state + state + fp32) - copies
   update = sum(vocab) * (pb + 2 * state + fp32) - copies if fused else leafwise
   temps = {
       "streamed layers": streamed,
-      # Written behind: the last layer's update, params and state, carried to the next trip.
+      # Written behind: the last layer's update, params and state, carried to the next
+      # trip; after its reads (not `writes_first`) it stays beside the trip's update.
       "written behind": layer * (pb + state) if s.write_behind else 0,
       "vocab copies": copies,
       "update activations": positions * (s.d_model if fused else
                                          2 * s.mlp_width + 6 * s.d_model) * cb,
       "saved activations": acts["saved activations"],
       "working set": acts["working set"] if s.write_behind else 0,
-      # In the backward, before the layer's update: the slices in flight and its gradients
-      # (stochastic rounding's fp32 values and new state come after).
-      "backward layers": layer * (2 * (pb + state) + pb) if s.write_behind else 0,
+      # In the backward: the layer's params and state and the next layer's params (its
+      # gradients grow as the working set goes; its update's values come after).
+      "backward layers": layer * (2 * pb + state) if s.write_behind else 0,
       "vocab update": update}
-  # Layer 0's update, written back after the loop, may wait beside the head's update.
-  parts = {"layer loop": ["streamed layers", "written behind", "vocab copies",
-                          "update activations", "saved activations"],
-           "embedding and head update": ["vocab copies", "vocab update", "written behind"]}
-  if s.write_behind:  # The next layer's slices land before the backward (release's
-    # barrier), so they and the carried update sit beside the layer's whole backward.
-    parts["layer backward"] = ["backward layers", "written behind", "vocab copies",
-                               "working set", "saved activations"]
+  # Layer 0's update goes back after the loop, before the embedding's backward.
+  behind = [] if s.writes_first else ["written behind"]
+  parts = {"layer loop": ["streamed layers", *behind, "vocab copies", "update activations",
+                          "saved activations"],
+           "embedding and head update": ["vocab copies", "vocab update"]}
+  if s.write_behind:  # Reads first, the next layer's slices land before the backward
+    # (release's barrier), beside the layer's whole backward and the carried update.
+    # Writes first, the update goes under the recompute: params and state, as many
+    # bytes as the next layer's params and this one's state that replace it.
+    parts["layer backward"] = ["backward layers", *behind, "vocab copies", "working set",
+                               "saved activations"]
   limit = _scheduler_limit(device_memory, args, xla_flags.scheduler_slop(s.write_behind) / 100)
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
     # gradients; the fused update's other leaves and the state beyond one buffer in flight.
@@ -332,8 +340,9 @@ def _scheduler_limit(device_memory: int, arguments: int, slop: float) -> int:
   the step's arguments (donated: its outputs are the same buffers), times the slop
   factor `slop` (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor:
   95% by default, the GPU profile's `xla_flags.scheduler_slop`).
-  Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090 compiles to
-  18.34, 18.72, 19.27 and 20.21 GiB at slop factors 80, 95, 105 and 120."""
+  Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090, each layer
+  written in its own trip, compiles to 18.34, 18.72, 19.27 and 20.21 GiB at slop factors
+  80, 95, 105 and 120."""
   if not device_memory:
     return 0
   device = device_memory / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES
