@@ -6,15 +6,16 @@ Gemma 3's shape.
     python -m zerojax.memory --config configs/gemma3_12b_1x4090.py --target rtx4090:1 --compile
 
 `configs/8b_1x4090.py` (gradient release on one shard, the layers' parameters and the
-optimizer state in pinned host memory, Kahan AdamW with bf16 moments, remat 'full',
+optimizer state in pinned host memory, written back behind, Kahan AdamW with bf16
+moments, remat 'full',
 4096-token sequences) with Gemma 3 12B's text config (the text tower of its
 `Gemma3ForConditionalGeneration` checkpoint): 11.77B parameters, 48 layers of which
 every sixth is global and the others attend to the latest 1024 positions, heads of 256.
 
 Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
-needed, nothing allocated): 1.88 GiB of arguments + 15.03 GiB of temporaries = 16.91
+needed, nothing allocated): 1.88 GiB of arguments + 15.00 GiB of temporaries = 16.88
 GiB of the 21.84 XLA's allocator has; + 85.79 GiB of host memory (layers 20.04, moments
-43.83, Kahan buffer 21.92). The planner's estimate 16.88 GiB (0.998). Attention: the
+43.83, Kahan buffer 21.92). The planner's estimate 16.88 GiB (1.000). Attention: the
 blocked loop, since cuDNN takes heads of 256 only from Hopper on (`attention_kernel`).
 Its bus line: 206 GB over PCIe per step, 4.55 s at 25 GB/s against 4.68 s of compute
 at 40% MFU. Not run on a GPU yet.

@@ -5,15 +5,16 @@
     python -m zerojax.memory --config configs/qwen3_8b_1x4090.py --target rtx4090:1 --compile
 
 `configs/8b_1x4090.py` (gradient release on one shard, the layers' parameters and the
-optimizer state in pinned host memory, Kahan AdamW with bf16 moments, remat 'full',
+optimizer state in pinned host memory, written back behind, Kahan AdamW with bf16
+moments, remat 'full',
 4096-token sequences) with Qwen3-8B's config.json: 8.19B parameters, heads of 128 with
 q/k norms, a 152K vocabulary, untied head.
 
 Compiled by XLA's GPU compiler for one RTX 4090 24GB (the second command, no GPU
 needed, nothing allocated): 2.32 GiB of arguments (the embedding and the head, which
-stay) + 12.78 GiB of temporaries = 15.10 GiB of the 21.84 XLA's allocator has; + 58.71
+stay) + 12.75 GiB of temporaries = 15.07 GiB of the 21.84 XLA's allocator has; + 58.71
 GiB of host memory (layers 12.94, moments 30.51, Kahan buffer 15.26). The planner's
-estimate 15.07 GiB (0.998). Its
+estimate 15.07 GiB (1.000). Its
 bus line: 140 GB over PCIe per step, 3.08 s at 25 GB/s against 3.04 s of compute at 40%
 MFU (bus-bound, 1.0x). Not run on a GPU yet.
 """
