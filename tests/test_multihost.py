@@ -230,12 +230,16 @@ def test_a_killed_coordinator_stops_the_others_and_the_launcher_names_it(runs):
   assert runs["coordinator_detect_s"] < LOST_WITHIN, runs["coordinator_detect_s"]
   assert runs["coordinator_killed_rc"] == 128 + signal.SIGKILL, launched_run.stderr[-3000:]
   err = launched_run.stderr
-  assert ("[1] error: process 0 is gone (its connection closed: killed or crashed)"
-          in err), err[-3000:]
   assert "[launch] process 0 exited with signal SIGKILL (the first to fail)" in err
-  assert "process 0: signal SIGKILL, process 1: status 5 (PEER_LOST)" in err
-  # JAX's client in process 1 sees the coordinator go too and aborts; the watch's exit
-  # usually comes first, but under load JAX's "Terminating process" line may precede it.
+  # Process 1 stops either way: its peer watch's line and exit status 5 (PEER_LOST),
+  # usually; or, killed in a collective, gloo's abort of the half-received message
+  # (measured once, under the load of a parallel compile: "Received data size doesn't
+  # match expected size", SIGABRT), which no Python thread can come before. JAX's client
+  # may also print its "Terminating process" line first.
+  watched = "process 0: signal SIGKILL, process 1: status 5 (PEER_LOST)" in err
+  assert watched or "process 0: signal SIGKILL, process 1: signal SIGABRT" in err, err[-3000:]
+  assert not watched or (
+      "[1] error: process 0 is gone (its connection closed: killed or crashed)" in err), err
   assert "Traceback" not in err, err
   print(f"launcher exited {runs['coordinator_killed_rc']} {runs['coordinator_detect_s']:.1f} s "
         "after the SIGKILL of process 0")
