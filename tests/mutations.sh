@@ -69,9 +69,14 @@ mutate peer_watch_refusal zerojax/run/peers.py \
 # Written behind = written in its own trip: the pending update goes to the layer it is
 # written in (i), not the one it belongs to (i+1).
 mutate write_behind zerojax/release.py \
-  "p, s = put_back(p, s, pending, jnp.minimum(i + 1, depth - 1))" \
-  "p, s = put_back(p, s, pending, i)" \
+  "before, written = jnp.maximum(i - 1, 0), jnp.minimum(i + 1, depth - 1)" \
+  "before, written = jnp.maximum(i - 1, 0), i" \
   tests/test_param_offload.py::test_written_behind_is_the_same_step_bit_for_bit
+# Writes first = reads first: the config's order never reaches the step (the carried
+# update then sits beside the backward: more temporaries on XLA's GPU compiler).
+mutate writes_first zerojax/build.py \
+  "writes_first=c.optimizer.release_writes_first)" "writes_first=False)" \
+  tests/test_param_offload.py::test_on_a_gpu_written_behind_the_copies_run_under_the_matmuls
 # Stage 3 on XLA:CPU (issue 30's abort): the head's gather no longer waits for the layer
 # loop's (zerojax.stage3.after does nothing): the sweep's first run aborts (exit -6: 9 s
 # and 72 s in two tries).
