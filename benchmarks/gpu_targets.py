@@ -73,7 +73,7 @@ def measure(label, name, overrides, target, cpu):
                        num_devices=spec.devices)
   budget, fraction = memory_report.target_budget(config, spec.target)
   with platform.targeting():
-    e = memory.estimate(config, spec.devices, budget)
+    e = memory.estimate(config, spec.devices, budget, gpu_memory=spec.target.memory)
   built = build.build(config, jax.devices()[:spec.devices])
   start = time.perf_counter()
   compiled = gpu_compile.compile_step(built, config, spec)

@@ -38,7 +38,8 @@ def planned(name: str, overrides=(), target="h100:8"):
   config = load_config(path, list(overrides), num_devices=spec.devices)
   budget, _ = memory_report.target_budget(config, spec.target)
   with platform.targeting():
-    return memory.estimate(config, spec.devices, budget), budget
+    return memory.estimate(config, spec.devices, budget,
+                           gpu_memory=spec.target.memory), budget
 
 
 def recorded():

@@ -240,7 +240,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   with memory_report.for_target(spec):  # The target's kernels (attention 'auto').
     estimate = memory.estimate(config, jax.device_count(),
                                where[0] if spec else host // jax.local_device_count() if host
-                               else memory_report.device_memory(jax.devices()[0]))
+                               else memory_report.device_memory(jax.devices()[0]),
+                               gpu_memory=spec.target.memory if spec else 0)
   found = memory.suggestions(estimate.setup, device_memory=estimate.device_memory)
   report("\n".join(filter(None, [
       memory_report.format_table(estimate, mem, title=path, gpu=bool(spec)),

@@ -365,7 +365,9 @@ def _main(argv: list[str]) -> int:
   if spec:
     where = target_budget(config, spec.target)
     device_memory = device_memory or where[0]
-  per_host = dict(per_host=spec.per_host) if spec else {}
+  # The target's memory: XLA's scheduler limit reads the device's, not the pool's (the
+  # suggestions' setups keep it).
+  per_host = dict(per_host=spec.per_host, gpu_memory=spec.target.memory) if spec else {}
   fit = dict(device_memory=device_memory, host_memory=host_memory)
   with for_target(spec):  # The estimate's kernels are the target's (attention 'auto').
     e = estimate(dataclasses.replace(RunSpec.from_config(config, args.devices), **per_host),

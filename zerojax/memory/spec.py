@@ -7,6 +7,7 @@ import math
 
 from zerojax import models
 from zerojax.config.rules import resolve_mesh_shape
+from zerojax.gpu import xla_flags
 from zerojax.zero import EXPERTS_AXIS, StageBehaviour, local_shape, shard_dim
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -79,6 +80,12 @@ class RunSpec:
   # ... and writes it first in that trip, before the trip's reads
   # (optimizer.release_writes_first).
   writes_first: bool = False
+  # XLA's GPU scheduler memory limit: the target GPU's whole memory (a --target's; 0: not
+  # known, read back from the allocator's pool at train.py's fraction) and the slop
+  # factor the run compiles at, in percent (`gpu.xla_flags.scheduler_slop` under the GPU
+  # profile, XLA's 95 without it).
+  gpu_memory: int = 0
+  scheduler_slop: int = 95
 
   @property
   def gathers(self) -> bool:
@@ -122,7 +129,9 @@ class RunSpec:
         experts_per_token=int(m.get("experts_per_token", 0)),
         expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
         write_behind=bool(o.get("release_write_behind", False)),
-        writes_first=bool(o.get("release_writes_first", False)))
+        writes_first=bool(o.get("release_writes_first", False)),
+        scheduler_slop=xla_flags.scheduler_slop(bool(o.get("release_write_behind", False)))
+        if config.xla.get("gpu_profile", True) else xla_flags.DEFAULT_SLOP)
 
   @property
   def devices(self) -> int:

@@ -122,10 +122,13 @@ class Estimate:
 
 
 def estimate(config, devices: int | None = None, device_memory: int = 0,
-             host_memory: int = 0) -> Estimate:
+             host_memory: int = 0, gpu_memory: int = 0) -> Estimate:
   """Per-device memory of the train step of `config` (a config or a `RunSpec`) on `devices`,
-  judged against `device_memory` per device and `host_memory` per node (0: not judged)."""
+  judged against `device_memory` per device and `host_memory` per node (0: not judged);
+  `gpu_memory`: the target GPU's whole memory, for XLA's scheduler limit (`RunSpec`'s)."""
   s = _as_setup(config, devices)
+  if gpu_memory:
+    s = dataclasses.replace(s, gpu_memory=gpu_memory)
   counts = param_counts(s)
   P = counts.total
   pb, sb = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.state_dtype]
@@ -319,7 +322,8 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
     # bytes as the next layer's params and this one's state that replace it.
     parts["layer backward"] = ["backward layers", *behind, "vocab copies", "working set",
                                "saved activations"]
-  limit = _scheduler_limit(device_memory, args, xla_flags.scheduler_slop(s.write_behind) / 100)
+  limit = _scheduler_limit(s.gpu_memory or _device_of_pool(device_memory), args,
+                           s.scheduler_slop / 100)
   if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
     # gradients; the fused update's other leaves and the state beyond one buffer in flight.
     over = lambda part: max(sum(temps[x] for x in parts[part]) - limit, 0)  # noqa: E731
@@ -333,17 +337,22 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
                   host_memory)
 
 
-def _scheduler_limit(device_memory: int, arguments: int, slop: float) -> int:
-  """The temporaries XLA's GPU scheduler and rematerialization keep a step within, for a
-  device whose allocator's pool (train.py's, `gpu.targets.budget` at the profile's
-  fraction) is `device_memory` (0: not known, no limit): 80% of the device's memory less
-  the step's arguments (donated: its outputs are the same buffers), times the slop
-  factor `slop` (XLA's `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor:
-  95% by default, the GPU profile's `xla_flags.scheduler_slop`).
+def _device_of_pool(pool: int) -> int:
+  """A GPU's whole memory from its allocator's pool at train.py's fraction
+  (`gpu.targets.budget` inverted; 0 for 0): for a plan without its target's memory."""
+  return int(pool / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES) if pool else 0
+
+
+def _scheduler_limit(device: int, arguments: int, slop: float) -> int:
+  """The temporaries XLA's GPU scheduler and rematerialization keep a step within, on a
+  GPU of `device` bytes (its whole memory, as XLA reads it from the device: not the
+  allocator's pool; 0: not known, no limit): 80% of it less the step's arguments
+  (donated: its outputs are the same buffers), times the slop factor `slop` (XLA's
+  `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor: 95% by default, the
+  GPU profile's `xla_flags.scheduler_slop`).
   Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090, each layer
   written in its own trip, compiles to 18.34, 18.72, 19.27 and 20.21 GiB at slop factors
   80, 95, 105 and 120."""
-  if not device_memory:
+  if not device:
     return 0
-  device = device_memory / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES
   return max(int((0.8 * device - arguments) * slop), 0)
