@@ -153,12 +153,13 @@ def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
       "embedding copy": "embedding copy (XLA:CPU)",
       "streamed state": "optimizer state streamed in for the update",
       # One device, release, the layer stack in host memory (memory.step._one_device):
-      "streamed layers": "layers in flight: this one's and the next's params and state, "
-                         "its gradient",
+      "streamed layers": "layers in flight: this one's params and state, the next's params"
+                         + ("" if s.write_behind else " and state") + ", its gradient",
       "vocab copies": "embedding/head: " + (
           "one copy" if s.update_rule == "stochastic" else "two copies"),
       "written behind": "the last layer's update, written back behind",
-      "backward layers": "layers in flight in the backward: params, state, gradient",
+      "backward layers": "layers in flight in the backward: this one's params and state, "
+                         "the next's params",
       "update activations": "the layer's activations at its update",
       "vocab update": "embedding/head update: their state",
       "saved activations (host)": "saved activations (every layer's)",

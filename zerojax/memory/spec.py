@@ -106,6 +106,7 @@ class RunSpec:
     fsdp *= expert  # The ZeRO shards of every param but the experts' (`expert_shards`).
     shapes = models.from_config(config).param_shapes().values()
     sp = bool(config.mesh.sequence_parallel)  # The examples are split over 'data' only.
+    behind = bool(o.get("release_write_behind", False))
     return cls(
         model=m.name, vocab_size=m.vocab_size, d_model=m.d_model, d_ff=m.d_ff,
         n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, context=m.context,
@@ -128,10 +129,9 @@ class RunSpec:
         n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
         experts_per_token=int(m.get("experts_per_token", 0)),
         expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
-        write_behind=bool(o.get("release_write_behind", False)),
-        writes_first=bool(o.get("release_writes_first", False)),
-        scheduler_slop=xla_flags.scheduler_slop(bool(o.get("release_write_behind", False)))
-        if config.xla.get("gpu_profile", True) else xla_flags.DEFAULT_SLOP)
+        write_behind=behind, writes_first=bool(o.get("release_writes_first", False)),
+        scheduler_slop=xla_flags.scheduler_slop(behind) if config.xla.get("gpu_profile", True)
+        else xla_flags.DEFAULT_SLOP)
 
   @property
   def devices(self) -> int:

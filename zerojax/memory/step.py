@@ -254,17 +254,18 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
 
   - the layer loop: for each layer parameter, this layer's and the next one's slices of
     the host stacks in flight (the param and every offloaded state buffer: 2 (p + S)
-    bytes) and its gradient in the param dtype (nothing reduces it, so nothing upcasts
-    it); two copies of the largest vocabulary leaf (its gradient, from the loss's
-    backward, and a copy of the param for the loss's value, which XLA computes after the
-    layer loop and the leaf's update in place); the layer's MLP and residual values at
-    its update (2 F + 6 D a position, compute dtype); the saved activations the device
-    keeps. With stochastic rounding each leaf's update is two fusions, an fp32 value
-    then its rounding: the layer's updates run after its whole backward, holding every
-    gradient, every fp32 value (4 bytes) and the new state beside the old (S more); the
-    layer's activations are gone but for its input's cotangent (D a position); the
-    vocabulary's one update waits for the embedding's gradient, after the loss's value:
-    one copy of the leaf.
+    bytes; written behind, the next one's param alone, and the update carried to the
+    next trip beside them unless it is written first) and its gradient in the param
+    dtype (nothing reduces it, so nothing upcasts it); two copies of the largest
+    vocabulary leaf (its gradient, from the loss's backward, and a copy of the param for
+    the loss's value, which XLA computes after the layer loop and the leaf's update in
+    place); the layer's MLP and residual values at its update (2 F + 6 D a position,
+    compute dtype); the saved activations the device keeps. With stochastic rounding
+    each leaf's update is two fusions, an fp32 value then its rounding: the layer's
+    updates run after its whole backward, holding every gradient, every fp32 value (4
+    bytes) and the new state beside the old (S more); the layer's activations are gone
+    but for its input's cotangent (D a position); the vocabulary's one update waits for
+    the embedding's gradient, after the loss's value: one copy of the leaf.
   - the update of the embedding and head after it: one leaf at a time, two copies of the
     leaf, the updated state of every vocabulary leaf and the state streamed in for the
     one being updated; with stochastic rounding all the vocabulary leaves in one fusion,
