@@ -55,6 +55,15 @@ ROWS = [
     ("largest: configs/405b_1xh200.py", "405b_1xh200", (), "h200:1"),
     ("largest: configs/70b_1xh100.py", "70b_1xh100", (), "h100:1"),
     ("largest: configs/70b_1x4090.py", "70b_1x4090", (), "rtx4090:1"),
+    # Every other shipped GPU config at the target its docstring names.
+    *[(f"shipped: configs/{name}.py", name, (), target) for name, target in (
+        ("70b_8x4090", "rtx4090:8"), ("70b_8xl40s", "l40s:8"), ("70b_sft_8x80gb", "h100:8"),
+        ("70b_256k_8x80gb", "h100:8"), ("8b_4m_8x80gb", "h100:8"),
+        ("qwen25_72b_8x80gb", "h100:8"), ("qwen3_32b_4x80gb", "h100:4"),
+        ("gemma3_27b_4x80gb", "h100:4"), ("mistral_small_24b_4x80gb", "h100:4"),
+        ("8b_1x4090", "rtx4090:1"), ("qwen3_8b_1x4090", "rtx4090:1"),
+        ("qwen25_7b_1x4090", "rtx4090:1"), ("mistral_7b_1x4090", "rtx4090:1"),
+        ("gemma3_12b_1x4090", "rtx4090:1"))],
 ]
 
 
@@ -115,11 +124,12 @@ def table(rows):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--cpu", action="store_true", help="also compile each row with XLA:CPU")
-  ap.add_argument("--rows", default="", help="only rows whose label contains this")
+  ap.add_argument("--rows", default="",
+                  help="only rows whose label contains this (or one of these, comma-separated)")
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                 "gpu_targets.json"))
   args = ap.parse_args(argv)
-  rows = [r for r in ROWS if args.rows in r[0]]
+  rows = [r for r in ROWS if any(x in r[0] for x in args.rows.split(","))]
   from zerojax.gpu import compile as gpu_compile, targets
   from zerojax.runtime.device_env import CPU_MEMORY_FLAGS
   # The most devices any row traces over; with XLA:CPU's memory flags for --cpu's column

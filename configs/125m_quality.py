@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py                    # one GPU: the five arms, 2 seeds
     python train.py --config configs/125m_quality.py    # one run of the default recipe
+    python -m zerojax.memory --config configs/125m_quality.py --target h200:1 --compile
 
 GPT-2-small's width and depth (d_model 768, 12 layers, 12 heads) with a byte
 vocabulary, so nearly every parameter is in the blocks: 113.7M with d_ff 3072 (SwiGLU).

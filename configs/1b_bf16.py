@@ -2,6 +2,7 @@
 
     python train.py --config configs/1b_bf16.py --config.data.name=tokens --config.data.path=...
     python train.py --config configs/1b_bf16.py --dry_run --fake_devices 8   # compile only
+    python -m zerojax.memory --config configs/1b_bf16.py --target h200:1 --compile
 
 Hardware: one GPU of 24 GB or more: 8 x 4096 tokens per step measured 21.9 GiB on one
 H200 with remat full (44 GiB with remat dots, which was also slower there:

@@ -19,14 +19,14 @@ heads, 8 KV heads), with what differs:
 
 The parameter shards stay on the device (ZeRO-3 over 8: 94.5 GiB), so only the optimizer
 state and the saved inputs cross PCIe. Compiled by XLA's GPU compiler for 8 x H200 (the
-second command, no GPU needed, nothing allocated): 122.38 GiB a device, where XLA's
+second command, no GPU needed, nothing allocated): 122.64 GiB a device, where XLA's
 allocator has 132.43 GiB of an H200 as train.py runs it; + 204.74 GiB of host memory a
-device (1.60 TiB a node). The planner's estimate is 119.18 GiB (0.974). Its bus line: 440 GB
+device (1.60 TiB a node). The planner's estimate is 119.18 GiB (0.972). Its bus line: 440 GB
 over PCIe a step and device, 4.40 s at 50 GB/s against 25.61 s of compute at 40% MFU:
 the copies hide from one sequence a device (32,768 tokens a step). `train.py --dry_run
 --target h200:8` times the compiled schedule (the matmuls at 40% of the peak, 50 GB/s):
 96% of the layer loop's 8.70 s of copies a step (both directions) under compute, the
-step waiting 0.34 s on them (each layer written in its own trip: 2%, 8.53 s, at 120.52
+step waiting 0.34 s on them (each layer written in its own trip: 4%, 8.36 s, at 120.59
 GiB). None of this has run on an H200: these are compiled bytes and the planner's
 arithmetic.
 """

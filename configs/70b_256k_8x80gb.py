@@ -15,13 +15,13 @@ differs:
   (`model.activation_offload`): 320 GiB of host memory per node.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (the second command, no GPU needed):
-49.28 GiB of state + 15.35 GiB of temporaries = 64.63 GiB a device, where XLA's
+49.28 GiB of state + 17.10 GiB of temporaries = 66.38 GiB a device, where XLA's
 allocator has 74.72 GiB of an H100 as train.py runs it; + 40.00 GiB of saved activations
 in host memory a device. With `--config.optimizer.offload=host` as well (the Lion moment
-and the Kahan buffer in host memory too): 36.70 GiB a device + 72.85 GiB of host memory
-a device (583 GiB a node), and 524,288 tokens fit: 49.24 GiB + 112.85 GiB of host memory
+and the Kahan buffer in host memory too): 36.75 GiB a device + 72.85 GiB of host memory
+a device (583 GiB a node), and 524,288 tokens fit: 49.30 GiB + 112.85 GiB of host memory
 a device (903 GiB a node); with `--config.model.mlp_chunk=16384` too, 1,048,576 tokens:
-50.29 GiB + 192.85 GiB of host memory a device (1.51 TiB a node).
+50.34 GiB + 192.85 GiB of host memory a device (1.51 TiB a node).
 
 Plain token sequences: attention 'auto' is cuDNN's flash attention on a GPU, which takes
 no mask for causal rows of one document. Packed rows (several examples a row) need

@@ -17,10 +17,10 @@ offload.
   ahead under its recompute.
 
 Compiled by XLA's GPU compiler for 8 x RTX 4090 24GB (the second command, no GPU
-needed, nothing allocated): 501.02 MiB of arguments + 15.07 GiB of temporaries = 15.56
+needed, nothing allocated): 501.02 MiB of arguments + 15.16 GiB of temporaries = 15.65
 GiB a device, where XLA's allocator has 21.84 GiB of a 4090 as train.py runs it; + 48.79
 GiB of host memory a device (layer shards 15.94, Lion moment 16.43, Kahan buffer 16.43):
-390.34 GiB a node. The planner's estimate 16.07 GiB (1.033), and its bus line: 121.9 GB
+390.34 GiB a node. The planner's estimate 16.07 GiB (1.027), and its bus line: 121.9 GB
 over PCIe per step and device, 2.78 s at 25 GB/s (PCIe 4.0 x16) against 26.85 s of
 compute at 40% MFU, so the copies can hide behind compute (none of this has run on a
 4090: these are compiled bytes and the planner's arithmetic).
@@ -28,8 +28,8 @@ compute at 40% MFU, so the copies can hide behind compute (none of this has run 
 `train.py --dry_run --target` reads the compiled schedule: 72 copies to the device in 2
 loop bodies, 100% of their bytes with compute scheduled under them; timed along it
 (matmuls at 40% of the 4090's peak, the link at 25 GB/s), all 4.79 s of the loops' copies
-a step run under compute (each layer written in its own trip: 43% of the bytes, 19% of
-the time, the step waiting 3.86 s; 14.80 GiB a device). A schedule, not a timing.
+a step run under compute (each layer written in its own trip: 34% of the bytes, 9% of
+the time, the step waiting 4.36 s; 14.29 GiB a device). A schedule, not a timing.
 """
 
 import ml_collections

@@ -14,9 +14,9 @@
 * one 4096-token sequence per device: a global batch of 8.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`--dry_run --target h100:8`, no GPU
-needed, nothing allocated; the `gpu-compile` extra): 49.28 GiB of state + 13.30 GiB of
-temporaries = 62.58 GiB a device, where XLA's allocator has 74.72 GiB of an H100 as
-train.py runs it; the planner's estimate 63.98 GiB (1.022).
+needed, nothing allocated; the `gpu-compile` extra): 49.28 GiB of state + 12.81 GiB of
+temporaries = 62.09 GiB a device, where XLA's allocator has 74.72 GiB of an H100 as
+train.py runs it; the planner's estimate 63.98 GiB (1.030).
 """
 
 import ml_collections

@@ -18,13 +18,13 @@ nothing allocated): 31.06 GiB a device, where XLA's allocator has 41.79 GiB of a
 as train.py runs it; + 32.85 GiB of host memory a device (262.83 GiB a node). The
 planner's estimate 31.41 GiB (1.011); PCIe 70.6 GB per step and device, 1.41 s at 25 GB/s
 (PCIe 4.0 x16) against 12.25 s of compute at 40% MFU. `configs/70b_8x4090.py`'s
-parameter offload on top: 15.56 GiB a device, for cards of 24 GB.
+parameter offload on top: 15.65 GiB a device, for cards of 24 GB.
 
 `train.py --dry_run --target` reads the compiled schedule: 36 copies to the device in 1
 loop body, 100% of their bytes with compute scheduled under them; timed along it
 (matmuls at 40% of the L40S's peak, the link at 25 GB/s), all 2.74 s of the loop's
-copies a step run under compute (each layer written in its own trip: 32% of the bytes,
-4% of the time; 30.25 GiB a device). A schedule, not a timing.
+copies a step run under compute (each layer written in its own trip: 46% of the bytes,
+11% of the time; 30.56 GiB a device). A schedule, not a timing.
 """
 
 import ml_collections

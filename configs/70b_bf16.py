@@ -3,10 +3,10 @@
     python train.py --config configs/70b_bf16.py --config.data.name=tokens --config.data.path=...
     python train.py --config configs/70b_bf16.py --dry_run --fake_devices 64   # compile only
 
-Hardware: 64 GPUs of 80 GB (one 4096-token sequence per device and step: 28.53 GiB per
+Hardware: 64 GPUs of 80 GB (one 4096-token sequence per device and step: 28.42 GiB per
 device compiled for 64 x H100 by XLA's GPU compiler, `python -m zerojax.memory --config
 configs/70b_bf16.py --target h100:64 --compile`), or 16 with
-`--config.train.global_batch_size=16` (62.50 GiB on 16 x H100). Model
+`--config.train.global_batch_size=16` (62.69 GiB on 16 x H100). Model
 state is 8 bytes per parameter (bf16 params, mu, nu and Kahan buffer) plus one fp32
 gradient shard (reduce-scattered per layer); microbatches add an fp32 accumulator.
 """

@@ -17,9 +17,9 @@ Without `data.path`, the generated demo tasks of `configs/sft_tiny.py` (no downl
 the dry run needs nothing.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`--dry_run --target h100:8`, no GPU
-needed, nothing allocated; the `gpu-compile` extra): 49.28 GiB of state + 13.28 GiB of
-temporaries = 62.56 GiB a device (the tokens-only recipe: 62.58), where XLA's allocator
-has 74.72 GiB of an H100 as train.py runs it; the planner's estimate 63.98 GiB (1.02).
+needed, nothing allocated; the `gpu-compile` extra): 49.28 GiB of state + 12.84 GiB of
+temporaries = 62.13 GiB a device (the tokens-only recipe: 62.09), where XLA's allocator
+has 74.72 GiB of an H100 as train.py runs it; the planner's estimate 63.98 GiB (1.03).
 """
 
 import os

@@ -16,7 +16,7 @@
   14336] bf16 temporaries are 14 GiB each, four alive at once.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (the second command, no GPU needed):
-7.49 GiB of state + 53.55 GiB of temporaries = 61.05 GiB a device (XLA's allocator has
+7.49 GiB of state + 53.34 GiB of temporaries = 60.84 GiB a device (XLA's allocator has
 74.72 GiB of an H100 as train.py runs it); + 128.00 GiB of saved activations in host
 memory a device. Untiled (measured with `optimizer.offload=host`) the temporaries alone
 are 100.30 GiB.

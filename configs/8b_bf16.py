@@ -2,6 +2,7 @@
 
     python train.py --config configs/8b_bf16.py --config.data.name=tokens --config.data.path=...
     python train.py --config configs/8b_bf16.py --dry_run --fake_devices 8   # compile only
+    python -m zerojax.memory --config configs/8b_bf16.py --target h100:8 --compile
     python train.py --config configs/8b_bf16.py --config.init_from=Meta-Llama-3.1-8B ...
 
 init_from: a Hugging Face Llama folder (config.json + safetensors) to fine-tune from.

@@ -12,8 +12,8 @@ rope_theta 1e8, untied head.
 
 Compiled by XLA's GPU compiler for 4 x H100 80GB (`python -m zerojax.memory --config
 configs/mistral_small_24b_4x80gb.py --target h100:4 --compile`, no GPU needed; the
-`gpu-compile` extra): 32.93 GiB of state + 7.86 GiB of temporaries = 40.79 GiB a device
-of the 74.72 XLA's allocator has; the planner's estimate 41.94 GiB (1.028). On 2 cards
+`gpu-compile` extra): 32.93 GiB of state + 7.54 GiB of temporaries = 40.47 GiB a device
+of the 74.72 XLA's allocator has; the planner's estimate 41.94 GiB (1.036). On 2 cards
 (`--config.mesh.fsdp=2 --config.train.global_batch_size=2 --target h100:2`) it compiles
 to 74.65 GiB, 67 MiB under the limit: no working margin; on 3 nothing shards. Not run
 on GPUs yet.

@@ -11,9 +11,9 @@ q/k/v biases, rope_theta 1e6, untied head.
 
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`python -m zerojax.memory --config
 configs/qwen25_72b_8x80gb.py --target h100:8 --compile`, no GPU needed; the `gpu-compile`
-extra): 50.78 GiB of state + 14.41 GiB of temporaries = 65.19 GiB a device (the Llama
-70B recipe: 62.58), where XLA's allocator has 74.72 GiB of an H100 as train.py runs it;
-the planner's estimate 67.21 GiB (1.031). Not run on GPUs yet.
+extra): 50.78 GiB of state + 13.98 GiB of temporaries = 64.77 GiB a device (the Llama
+70B recipe: 62.09), where XLA's allocator has 74.72 GiB of an H100 as train.py runs it;
+the planner's estimate 67.21 GiB (1.038). Not run on GPUs yet.
 """
 
 import ml_collections

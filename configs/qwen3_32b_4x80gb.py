@@ -10,8 +10,8 @@
 
 Compiled by XLA's GPU compiler for 4 x H100 80GB (`python -m zerojax.memory --config
 configs/qwen3_32b_4x80gb.py --target h100:4 --compile`, no GPU needed; the `gpu-compile`
-extra): 45.77 GiB of state + 9.10 GiB of temporaries = 54.86 GiB a device of the 74.72
-XLA's allocator has; the planner's estimate 56.55 GiB (1.031). The fewest cards: 4 (on
+extra): 45.77 GiB of state + 8.73 GiB of temporaries = 54.50 GiB a device of the 74.72
+XLA's allocator has; the planner's estimate 56.55 GiB (1.038). The fewest cards: 4 (on
 3 no dimension of most leaves divides, so nothing shards: 194 GiB; on 2 the state alone
 is 91.5 GiB). Not run on GPUs yet.
 """

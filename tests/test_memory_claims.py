@@ -6,6 +6,8 @@ For the recorded rows the planner is rerun here, so a record whose planner colum
 stale fails; the compiled column is the record's (README "Claims" says which are which).
 """
 
+import collections
+import glob
 import json
 import os
 import re
@@ -78,23 +80,23 @@ ADAMW = ("optimizer.name=adamw", "optimizer.b2=0.95")
 # README "70B full fine-tune on one 8x80 GB node": label in results/gpu_targets.json ->
 # (B/param, planner, planner host, XLA's GPU compiler, its host, fits, XLA:CPU).
 TABLE_70B = {
-    "70b: Lion + Kahan + release": ("6.06", "63.98 GiB", None, "62.58 GiB", None, True,
-                                    "63.74 GiB"),
-    "70b: AdamW + Kahan + release + offload": ("8.06", "31.12 GiB", "49.28 GiB", "30.83 GiB",
+    "70b: Lion + Kahan + release": ("6.06", "63.98 GiB", None, "62.09 GiB", None, True,
+                                    "63.79 GiB"),
+    "70b: AdamW + Kahan + release + offload": ("8.06", "31.12 GiB", "49.28 GiB", "30.92 GiB",
                                                "49.28 GiB", True, "30.93 GiB"),
     "70b: AdamW + Kahan + release": ("8.06", "80.40 GiB", None, "78.84 GiB", None, False,
                                      "80.21 GiB"),
-    "70b: Lion + Kahan, no release": ("8", "96.74 GiB", None, "94.30 GiB", None, False,
-                                      "96.08 GiB"),
-    "70b: AdamW + Kahan, no release": ("10", "113.16 GiB", None, "110.73 GiB", None, False,
-                                       "112.53 GiB"),
-    "70b: Lion + stochastic rounding + release": ("4.06", "47.55 GiB", None, "46.21 GiB", None,
-                                                  True, "46.89 GiB"),
+    "70b: Lion + Kahan, no release": ("8", "96.74 GiB", None, "94.03 GiB", None, False,
+                                      "95.63 GiB"),
+    "70b: AdamW + Kahan, no release": ("10", "113.16 GiB", None, "110.46 GiB", None, False,
+                                       "112.49 GiB"),
+    "70b: Lion + stochastic rounding + release": ("4.06", "47.55 GiB", None, "46.09 GiB", None,
+                                                  True, "47.23 GiB"),
     "70b: Lion + Kahan + release, no XLA flag profile": ("6.06", "63.98 GiB", None,
-                                                         "62.72 GiB", None, False, None),
+                                                         "63.11 GiB", None, False, None),
     # The 8 x A100 40GB paragraph (release, 8 microbatches, offload).
     "70b: AdamW + Kahan + release x8 microbatches + offload": (
-        None, "31.12 GiB", "49.28 GiB", "31.17 GiB", "49.28 GiB", True, None),
+        None, "31.12 GiB", "49.28 GiB", "30.93 GiB", "49.28 GiB", True, None),
 }
 
 
@@ -119,7 +121,7 @@ def test_the_70b_table(label):
 
 
 def test_the_calibration_range_of_the_recorded_configs():
-  """README: planner / GPU-compiled 0.93-1.03 for the six shipped configs that
+  """README: planner / GPU-compiled 0.98-1.03 for the six shipped configs that
   `benchmarks/gpu_targets.py` calibrates at their hardware; each planner rerun."""
   rows = {label: r for label, r in recorded().items() if label.startswith("configs/")}
   assert len(rows) == 6
@@ -127,9 +129,9 @@ def test_the_calibration_range_of_the_recorded_configs():
     e, _ = planned(os.path.basename(r["config"])[:-3], r["overrides"], r["target"])
     assert e.total == r["planner"], r["label"]
   ratios = sorted(f"{r['planner'] / r['gpu']:.2f}" for r in rows.values())
-  assert (ratios[0], ratios[-1]) == ("0.93", "1.03"), ratios
+  assert (ratios[0], ratios[-1]) == ("0.98", "1.03"), ratios
   by = lambda label: stated(rows[label]["gpu"], "0.00 GiB")
-  assert (by("configs/70b_bf16.py"), by("configs/8b_bf16.py")) == ("28.53 GiB", "17.84 GiB")
+  assert (by("configs/70b_bf16.py"), by("configs/8b_bf16.py")) == ("28.42 GiB", "17.23 GiB")
 
 
 def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
@@ -163,7 +165,7 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
             else pcie[1] == r["gpu_d2h"]), name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
-  assert stated(rows["405b_8xh200"]["gpu"], "122.38 GiB") == "122.38 GiB"
+  assert stated(rows["405b_8xh200"]["gpu"], "122.64 GiB") == "122.64 GiB"
   assert stated(node(rows["405b_8xh200"]), "1.60 TiB") == "1.60 TiB"
   assert stated(rows["405b_1xh200"]["gpu"], "64.56 GiB") == "64.56 GiB"
   assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
@@ -250,3 +252,48 @@ def test_the_moe_recipes_fit_by_the_gpu_compiler_and_the_planner_within_5_percen
   assert stated(a22b["gpu_host"] * 8, "875.79 GiB") == "875.79 GiB"  # A node's.
   assert a22b["gpu_host"] * 8 <= 2 * 2**40
   assert stated(mixtral["gpu"], "53.03 GiB") == "53.03 GiB"
+
+
+def test_every_shipped_gpu_config_is_recorded_at_its_target_within_5_percent():
+  """Issue 35's bar: every config in configs/ whose docstring names a `--target` has a
+  row in `results/gpu_targets.json` (the calibrated `configs/` rows, `moe:`, `largest:`,
+  `shipped:`) compiled for one of the targets it names, of the config as it resolves
+  today (the digest test above); the planner, rerun here, equal to the record and within
+  5% of XLA's GPU compiler on each."""
+  rows = collections.defaultdict(list)
+  for r in recorded().values():
+    rows[os.path.basename(r["config"])].append(r)
+  shipped = 0
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    with open(path) as f:
+      named = set(re.findall(r"--target (\w+:\d+)", f.read()))
+    if not named:
+      continue
+    shipped += 1
+    name = os.path.basename(path)
+    at = [r for r in rows[name] if not r["overrides"] and r["target"] in named]
+    assert at, f"{name}: no recorded compile at {sorted(named)}"
+    for r in at:
+      e, _ = planned(name[:-3], r["overrides"], r["target"])
+      assert e.total == r["planner"], r["label"]
+      assert 0.95 < r["planner"] / r["gpu"] < 1.05, (r["label"], r["planner"] / r["gpu"])
+  assert shipped >= 26
+
+
+def test_the_normal_stage_3_step_on_a_gpu_peaks_at_its_start_with_room_and_not_without(capsys):
+  """README: `python -m zerojax.memory --config configs/70b_bf16.py --target h100:64`. With
+  room under XLA's scheduler limit (64 devices) the planner counts the vocabulary's
+  gradient buffers beside the gathered embedding and head at the step's start, its peak
+  (28.34 GiB, 0.997 of the recorded compile); on 16 devices the layers nearly fill the
+  limit: what fits under it is counted (0.79 GiB of 3.91), and the layer backward stays
+  the peak."""
+  path = os.path.join(ROOT, "configs", "70b_bf16.py")
+  assert memory_report.main(["--config", path, "--target", "h100:64"]) == 0
+  text = capsys.readouterr().out
+  assert re.search(r"\* embedding/head gradient buffers, made at the start +3\.91 GiB", text)
+  assert "temporaries at the peak: forward start" in text
+  e, _ = planned("70b_bf16", (), "h100:64")
+  assert stated(e.total, "28.34 GiB") == "28.34 GiB" and e.peak_phase == "forward start"
+  wide, _ = planned("70b_bf16", ("train.global_batch_size=16",), "h100:16")
+  assert stated(wide.components["vocab gradient buffers"], "0.79 GiB") == "0.79 GiB"
+  assert wide.peak_phase == "layer backward"

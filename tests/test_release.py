@@ -149,7 +149,7 @@ _MLP_BF16 = MlpLM(vocab_size=64, d_model=128, d_ff=512, n_layers=5, context=4,
     (_MLP_BF16, 1.0, 1),
     (_MLP_BF16, 1.0, 2),
     (LlamaLM(LlamaConfig(vocab_size=64, d_model=128, d_ff=512, n_layers=16, n_heads=4,
-                         n_kv_heads=2, attention_block=8, loss_chunk=8, remat="full")), 0.75, 1)],
+                         n_kv_heads=2, attention_block=8, loss_chunk=8, remat="full")), 0.65, 1)],
     ids=["mlp_lm", "mlp_lm-2-microbatches", "llama"])
 def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink, microbatches):
   """bf16 params, Kahan AdamW: the normal step's buffers include fp32 arrays the shape
@@ -160,9 +160,11 @@ def test_release_holds_no_fp32_gradient_of_the_layer_stack(model, shrink, microb
   are one layer's. MlpLM's normal step holds the fp32 stack twice (params made for
   differentiation and gradient); Llama's once (`stage3.scan_layers` writes the gradient
   over it), while release holds one layer's fp32 shard and gradient: at 16 layers over
-  8 devices the temporaries shrink by 0.79 of it (measured). Compiled as train.py and
-  the planner compile (`device_env.CPU_MEMORY_FLAGS`): without them XLA:CPU hoists the
-  fp32 upcast of the stack for its gathers out of the forward loop."""
+  8 devices the temporaries shrink by 0.69 of it (measured; 0.79 before stage 3 sharded a
+  leaf along its first dimension, which took 0.21 MB off the normal step, not release's).
+  Compiled as train.py and the planner compile (`device_env.CPU_MEMORY_FLAGS`): without
+  them XLA:CPU hoists the fp32 upcast of the stack for its gathers out of the forward
+  loop."""
   tx = optim.adamw(1e-3, b2=0.95, state_dtype=jnp.bfloat16, update_rule="kahan")
   plan = make(model, tx)
   sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)

@@ -74,7 +74,9 @@ def test_planner_counts_each_policy_like_the_compiler():
   for policy, r in results.items():
     assert r["attributed"]["saved activations"] == r["components"]["saved activations"], policy
     assert r["attributed"]["gradients"] == full["attributed"]["gradients"], policy
-    assert r["attributed"]["gradients"] == pytest.approx(r["components"]["gradients"], rel=0.02)
+    # At XLA:CPU's peak the vocabulary's local fp32 gradients are not made yet: 0.91 of
+    # the planner's (0.99 before stage 3 sharded along the first dimension).
+    assert r["attributed"]["gradients"] == pytest.approx(r["components"]["gradients"], rel=0.1)
     compiled = r["compiled"]["arguments"] + r["compiled"]["temporaries"]
     assert 0.75 < r["total"] / compiled < 1.1, (policy, r["total"], compiled)
   temporaries = [results[p]["compiled"]["temporaries"] for p in policies]

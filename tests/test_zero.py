@@ -83,18 +83,19 @@ def test_plan_shards_by_stage_and_keeps_layers_axis_whole():
   tx = optax.adamw(1e-3)
   plans = {s: setup(model, s, (2, 4), tx, min_shard_size=1000) for s in STAGES}
   w_in = lambda specs: specs["layers"]["w_in"]
-  # w_in is (L=3, D=64, F=128): never the layers axis; the largest divisible dim.
-  assert w_in(plans[3].param_specs) == P(None, None, "fsdp")
+  # w_in is (L=3, D=64, F=128): never the layers axis; the first divisible dim (a shard
+  # is one contiguous block of the row-major leaf).
+  assert w_in(plans[3].param_specs) == P(None, "fsdp", None)
   assert w_in(plans[2].param_specs) == P()
-  assert w_in(plans[2].grad_specs) == P(None, None, "fsdp")
-  assert w_in(plans[1].grad_specs) == P(None, None, "fsdp")  # Scattered once, after accumulating.
+  assert w_in(plans[2].grad_specs) == P(None, "fsdp", None)
+  assert w_in(plans[1].grad_specs) == P(None, "fsdp", None)  # Scattered once, after accumulating.
   assert w_in(plans[0].grad_specs) == P()
   # final_norm (64 elements) is under min_shard_size: replicated at every stage.
   assert plans[3].param_specs["final_norm"] == P()
   assert plans[3].per_layer["layers"]["w_in"] and not plans[3].per_layer["embed"]
   # Adam's mu and nu mirror the params; its step count stays replicated.
   adam = plans[1].opt_specs[0]
-  assert w_in(adam.mu) == w_in(adam.nu) == P(None, None, "fsdp")
+  assert w_in(adam.mu) == w_in(adam.nu) == P(None, "fsdp", None)
   assert adam.count == P()
   assert w_in(plans[0].opt_specs[0].mu) == P()
 
@@ -151,8 +152,8 @@ def test_state_is_created_sharded():
   plan = setup(model, 3, (1, 8), tx)
   state = zerojax.init_state(plan, model.init, tx, jax.random.PRNGKey(0))
   w_in = state.params["layers"]["w_in"]
-  assert w_in.sharding.spec == P(None, None, "fsdp")
-  assert {s.data.shape for s in w_in.addressable_shards} == {(3, 64, 16)}
+  assert w_in.sharding.spec == P(None, "fsdp", None)
+  assert {s.data.shape for s in w_in.addressable_shards} == {(3, 8, 128)}
   assert state.opt_state[0].mu["embed"].sharding.spec == plan.opt_specs[0].mu["embed"]
   assert w_in.dtype == jnp.float32 and state.step.dtype == jnp.int32
 
@@ -375,8 +376,10 @@ def test_stage_3_gathers_and_scatters_one_layer_at_a_time():
   one_layer = {(1024, 256), (256, 1024)}  # w_in / w_out of one layer, gathered.
   layer_gathers = [c for c in found if c.op == "all-gather"
                    and {s for _, s in c.results} & one_layer]
+  # Each kernel's shard is a block of its first dimension: (1024, 256) -> (128, 256),
+  # (256, 1024) -> (32, 1024).
   layer_scatters = [c for c in found if c.op == "reduce-scatter"
-                    and {s for _, s in c.results} & {(256, 128), (128, 256)}]
+                    and {s for _, s in c.results} & {(128, 256), (32, 1024)}]
   # Inside the layer loops: gathered in the forward and again (remat) in the
   # backward, 8 times each; reduce-scattered in the backward, 8 times.
   assert len(layer_gathers) == 4 and all(c.trips == 8 for c in layer_gathers)

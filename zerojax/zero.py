@@ -68,10 +68,14 @@ def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
               num_shards: int, min_size: int) -> int | None:
   """The dimension to shard a leaf along, or None to keep it replicated.
 
-  The largest dimension divisible by `num_shards`, never the stacked-layers axis (a
-  scan slices it; each layer must keep its own shard) nor the experts axis (the expert
-  axis splits it). Leaves under `min_size` elements stay replicated: sharding them saves
-  little and costs a collective each.
+  The first (most major) dimension divisible by `num_shards`, never the stacked-layers
+  axis (a scan slices it; each layer must keep its own shard) nor the experts axis (the
+  expert axis splits it). A shard of the major dimension is one contiguous block of the
+  row-major leaf, so its all-gather and reduce-scatter move whole blocks; sharded along
+  a minor one, XLA's GPU compiler lays the reduce-scattered gradients out transposed and
+  copies them back after the layer loop (the 8B's MLP stacks on h100:8: 17.84 GiB
+  compiled against 17.23 along the major dimension). Leaves under `min_size` elements
+  stay replicated: sharding them saves little and costs a collective each.
   """
   if num_shards == 1 or math.prod(shape) < max(min_size, 1):
     return None
@@ -79,7 +83,7 @@ def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
                 and not (names and names[d] in (LAYERS_AXIS, EXPERTS_AXIS))]
   if not candidates:
     return None
-  return max(candidates, key=lambda d: (shape[d], -d))
+  return min(candidates)
 
 
 @dataclasses.dataclass(frozen=True)

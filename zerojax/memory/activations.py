@@ -88,8 +88,9 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
 
   XLA's GPU compiler (sequence parallelism) keeps everything in the compute dtype: the
   MLP's backward holds four [.., d_ff] (three under release, untiled) and ten
-  [.., d_model] values of the slice (the whole-sequence q and output among them: T x H /
-  fsdp heads is the slice's width), its k and v, and the fp32 RoPE tables. cuDNN's
+  [.., d_model] values of the slice (tiled: nine, and four of the tile; the
+  whole-sequence q and output among them: T x H / fsdp heads is the slice's width), its
+  k and v, and the fp32 RoPE tables. cuDNN's
   attention materializes no scores: q, k, v, the output and their gradients over the
   whole sequence, six [.., d_model] of the slice
   (never the peak in the compiles measured: the MLP's backward was, down to d_ff =
@@ -106,7 +107,10 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
     # made: three [n, d_ff]. Tiled, each tile's weight gradients are summed over the tiles
     # and the tile's backward holds all four.
     wide = 3 if s.release and rows == n else 4
-    mlp = (rows * F * wide + n * D * 10 + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
+    # Tiled, one of the slice's ten [n, d_model] values is the tile's four [rows, d_model]
+    # (configs/8b_4m_8x80gb.py: nine and four, read off its compiled buffers).
+    model = n * D * 10 if rows == n else n * D * 9 + rows * D * 4
+    mlp = (rows * F * wide + model + 2 * n * s.n_kv_heads * Dh) * cb + 2 * n * Dh * 4
     if fused:
       return b * T * (q + kv) * 4 * cb + n * D * 6 * cb, mlp
   else:

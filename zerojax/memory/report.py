@@ -149,6 +149,7 @@ def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
       "gathered layer": "gathered layer (fp32 on XLA:CPU)",
       "gathered head": "gathered head/embedding + a copy",
       "head gradient": "head gradient (fp32, whole)",
+      "vocab gradient buffers": "embedding/head gradient buffers, made at the start",
       "loss chunk": "loss chunk (fp32 logits)",
       "embedding copy": "embedding copy (XLA:CPU)",
       "streamed state": "optimizer state streamed in for the update",

@@ -210,6 +210,20 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   else:
     gathered = vocab_gathered = head_grad = 0
     copies = pb * V * D  # XLA:CPU copies the embedding (stages 0-2).
+  # XLA's GPU scheduler, with room under its memory limit, starts the vocabulary work at
+  # the step's start: the embedding and head gathered together before the forward's layer
+  # loop, and the zero-initialized buffers of their gradients (the lookup's scatter, the
+  # loss chunks' sum) beside them, live with the fp32 gradient shards, the saved-input
+  # stack and the first layers' gathers (configs/70b_bf16.py on h100:64: four vocabulary
+  # copies at its peak, 1.96 GiB each). Short of room it schedules them late: only what
+  # fits under the limit is counted (0.79 of 3.91 GiB on 16 devices, below its peak).
+  early = pb * sum(math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab) if (
+      in_gather and not s.release and platform.backend() == "gpu") else 0
+  if early:
+    rest = grads + accum + acts["saved activations"] + gathered + vocab_gathered
+    device = s.gpu_memory or _device_of_pool(device_memory)
+    if device:  # Unknown, no limit.
+      early = min(early, max(_scheduler_limit(device, state, s.scheduler_slop / 100) - rest, 0))
   # Written behind (a GPU reads ahead): the backward loop carries the last layer's updated
   # shards, params and state, to the next trip, which writes them back.
   behind = (pb + moments * sb + rule) * counts.local_layers // L if (
@@ -218,7 +232,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
            "saved activations": acts["saved activations"], "working set": acts["working set"],
            "gathered layer": gathered, "gathered head": vocab_gathered, "head gradient": head_grad,
            "loss chunk": acts["loss chunk"], "embedding copy": copies, "streamed state": streamed,
-           "written behind": behind}
+           "written behind": behind, "vocab gradient buffers": early}
   # The temporaries alive together in each phase of the step; the peak is the largest.
   # Gradients reduced in the gathers live through the backward; others appear at its end.
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
@@ -226,7 +240,9 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   # Written first, the carried update is gone before the layer's backward.
   parts = {"layer backward": during + ["working set", "gathered layer"] + (
                [] if s.writes_first else ["written behind"]),
-           "loss backward": during + ["loss chunk", "head gradient"]}
+           "loss backward": during + ["loss chunk", "head gradient"],
+           "forward start": ["gradients", "accumulator", "saved activations", "gathered layer",
+                             "gathered head", "vocab gradient buffers"]}
   if not through:  # Activations are gone; the fp32 gradients are made and reduced.
     parts = {k: [x for x in v if x != "gradients"] for k, v in parts.items()}
     parts["end of backward"] = ["gradients", "accumulator", "embedding copy"]
