@@ -5,7 +5,7 @@ import collections
 import math
 import re
 
-from zerojax.memory.spec import RunSpec, _leaves
+from zerojax.memory.spec import DTYPE_BYTES, RunSpec, _leaves
 
 
 def attribute(s: RunSpec, buffers: list[tuple[int, str, str]], one_device: bool = False
@@ -49,5 +49,11 @@ def attribute(s: RunSpec, buffers: list[tuple[int, str, str]], one_device: bool 
     else:
       key = "working set"
     out[key] += size
-  return dict(out)
+  # Past the gathered head and XLA's copy of it (the estimate's 'gathered head'): the
+  # zero-initialized gradient buffers the normal step makes at its start.
+  extra = out["gathered head"] - 2 * V * D * DTYPE_BYTES[s.param_dtype]
+  if gathers and not one_device and extra > 0:
+    out["gathered head"] -= extra
+    out["vocab gradient buffers"] += extra
+  return {k: v for k, v in out.items() if v}
 

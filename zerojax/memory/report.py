@@ -429,7 +429,8 @@ def longest_sequence_line(config, e: Estimate, devices: int, device_memory: int,
     print("--longest-sequence needs the device memory: --device-memory or --target")
     return None
   unit = sequence_unit(e.setup)
-  found = longest_sequence(config, devices, device_memory, host_memory=host_memory)
+  found = longest_sequence(config, devices, device_memory, host_memory=host_memory,
+                           gpu_memory=e.setup.gpu_memory)
   if found is None:
     print(f"no train.seq_len (a multiple of {unit}) fits in {fmt_bytes(device_memory)} at "
           f"{e.setup.batch} sequence(s) per device")

@@ -180,11 +180,15 @@ def sequence_unit(s: RunSpec) -> int:
 
 
 def longest_sequence(config, devices: int | None = None, device_memory: int = 0,
-                     limit: int = 1 << 26, host_memory: int = 0) -> Estimate | None:
+                     limit: int = 1 << 26, host_memory: int = 0,
+                     gpu_memory: int = 0) -> Estimate | None:
   """The estimate at the longest `train.seq_len` (a multiple of `sequence_unit`, at most
   `limit`) whose step fits in `device_memory`, at the same batch; None if even one unit
-  does not. Given a config (not a `RunSpec`), the length is one it validates with."""
+  does not. Given a config (not a `RunSpec`), the length is one it validates with.
+  `gpu_memory`: the target GPU's whole memory, for XLA's scheduler limit (`estimate`'s)."""
   s = _as_setup(config, devices)
+  if gpu_memory:
+    s = dataclasses.replace(s, gpu_memory=gpu_memory)
   unit = sequence_unit(s)
   at = lambda k: estimate(dataclasses.replace(s, seq_len=k * unit), device_memory=device_memory,
                           host_memory=host_memory)
