@@ -221,8 +221,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
       in_gather and not s.release and platform.backend() == "gpu") else 0
   if early:
     rest = grads + accum + acts["saved activations"] + gathered + vocab_gathered
-    device = s.gpu_memory or _device_of_pool(device_memory)
-    if device:  # Unknown, no limit.
+    device = s.gpu_memory or _device_of_pool(device_memory)  # 0: unknown, no limit.
+    if device:
       early = min(early, max(_scheduler_limit(device, state, s.scheduler_slop / 100) - rest, 0))
   # Written behind (a GPU reads ahead): the backward loop carries the last layer's updated
   # shards, params and state, to the next trip, which writes them back.
