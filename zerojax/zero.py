@@ -70,12 +70,13 @@ def shard_dim(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
 
   The first (most major) dimension divisible by `num_shards`, never the stacked-layers
   axis (a scan slices it; each layer must keep its own shard) nor the experts axis (the
-  expert axis splits it). A shard of the major dimension is one contiguous block of the
-  row-major leaf, so its all-gather and reduce-scatter move whole blocks; sharded along
-  a minor one, XLA's GPU compiler lays the reduce-scattered gradients out transposed and
-  copies them back after the layer loop (the 8B's MLP stacks on h100:8: 17.84 GiB
-  compiled against 17.23 along the major dimension). Leaves under `min_size` elements
-  stay replicated: sharding them saves little and costs a collective each.
+  expert axis splits it). A shard of the most major dimension is one contiguous block of
+  the row-major leaf (of each layer's slice, for a stack), so its all-gather and
+  reduce-scatter move whole blocks; sharded along a minor one, XLA's GPU compiler lays
+  the reduce-scattered gradients out transposed and copies them back after the layer
+  loop (the 8B's MLP stacks on h100:8: 17.84 GiB compiled against 17.23 along the major
+  dimension). Leaves under `min_size` elements stay replicated: sharding them saves
+  little and costs a collective each.
   """
   if num_shards == 1 or math.prod(shape) < max(min_size, 1):
     return None
