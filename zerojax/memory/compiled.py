@@ -54,6 +54,6 @@ def attribute(s: RunSpec, buffers: list[tuple[int, str, str]], one_device: bool 
   extra = out["gathered head"] - 2 * V * D * DTYPE_BYTES[s.param_dtype]
   if gathers and not one_device and extra > 0:
     out["gathered head"] -= extra
-    out["vocab gradient buffers"] += extra
-  return {k: v for k, v in out.items() if v}
+    out["vocab gradient buffers"] = extra
+  return dict(out)
 

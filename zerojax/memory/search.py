@@ -187,11 +187,9 @@ def longest_sequence(config, devices: int | None = None, device_memory: int = 0,
   does not. Given a config (not a `RunSpec`), the length is one it validates with.
   `gpu_memory`: the target GPU's whole memory, for XLA's scheduler limit (`estimate`'s)."""
   s = _as_setup(config, devices)
-  if gpu_memory:
-    s = dataclasses.replace(s, gpu_memory=gpu_memory)
   unit = sequence_unit(s)
   at = lambda k: estimate(dataclasses.replace(s, seq_len=k * unit), device_memory=device_memory,
-                          host_memory=host_memory)
+                          host_memory=host_memory, gpu_memory=gpu_memory)
   if not device_memory or not at(1).fits:
     return None
   lo, hi = 1, 2  # Every term grows with the length: double, then bisect (lo fits, hi not).

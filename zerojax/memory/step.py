@@ -220,10 +220,10 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   early = pb * sum(math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab) if (
       in_gather and not s.release and platform.backend() == "gpu") else 0
   if early:
-    rest = grads + accum + acts["saved activations"] + gathered + vocab_gathered
-    device = s.gpu_memory or _device_of_pool(device_memory)  # 0: unknown, no limit.
-    if device:
-      early = min(early, max(_scheduler_limit(device, state, s.scheduler_slop / 100) - rest, 0))
+    limit = _scheduler_limit(s, device_memory, state)
+    if limit is not None:
+      rest = grads + accum + acts["saved activations"] + gathered + vocab_gathered
+      early = min(early, max(limit - rest, 0))
   # Written behind (a GPU reads ahead): the backward loop carries the last layer's updated
   # shards, params and state, to the next trip, which writes them back.
   behind = (pb + moments * sb + rule) * counts.local_layers // L if (
@@ -339,10 +339,10 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
     # bytes as the next layer's params and this one's state that replace it.
     parts["layer backward"] = ["backward layers", *behind, "vocab copies", "working set",
                                "saved activations"]
-  limit = _scheduler_limit(s.gpu_memory or _device_of_pool(device_memory), args,
-                           s.scheduler_slop / 100)
-  if limit:  # Down to the limit, by what XLA's schedule can do without: the layer's
-    # gradients; the fused update's other leaves and the state beyond one buffer in flight.
+  limit = _scheduler_limit(s, device_memory, args)
+  if limit is not None:  # Down to the limit, by what XLA's schedule can do without: the
+    # layer's gradients; the fused update's other leaves and the state beyond one buffer in
+    # flight.
     over = lambda part: max(sum(temps[x] for x in parts[part]) - limit, 0)  # noqa: E731
     temps["streamed layers"] -= min(over("layer loop"), pb * layer)
     temps["vocab update"] -= min(over("embedding and head update"),
@@ -354,22 +354,20 @@ def _one_device(s: RunSpec, counts, conventional: dict, comp: dict, host: dict,
                   host_memory)
 
 
-def _device_of_pool(pool: int) -> int:
-  """A GPU's whole memory from its allocator's pool at train.py's fraction
-  (`gpu.targets.budget` inverted; 0 for 0): for a plan without its target's memory."""
-  return int(pool / float(xla_flags.MEMORY_FRACTION) + targets.CONTEXT_BYTES) if pool else 0
-
-
-def _scheduler_limit(device: int, arguments: int, slop: float) -> int:
-  """The temporaries XLA's GPU scheduler and rematerialization keep a step within, on a
-  GPU of `device` bytes (its whole memory, as XLA reads it from the device: not the
-  allocator's pool; 0: not known, no limit): 80% of it less the step's arguments
-  (donated: its outputs are the same buffers), times the slop factor `slop` (XLA's
-  `GetSchedulerMemoryLimit`, flag xla_gpu_memory_limit_slop_factor: 95% by default, the
-  GPU profile's `xla_flags.scheduler_slop`).
+def _scheduler_limit(s: RunSpec, device_memory: int, arguments: int) -> int | None:
+  """The temporaries XLA's GPU scheduler and rematerialization keep a step within, or
+  None where the GPU's memory is not known: 80% of the GPU's whole memory (as XLA reads
+  it from the device: `s.gpu_memory`, else inverted from the allocator's pool
+  `device_memory` at train.py's fraction, `gpu.targets.budget`) less the step's
+  arguments (donated: its outputs are the same buffers), times the slop factor the run
+  compiles at (`s.scheduler_slop`; XLA's `GetSchedulerMemoryLimit`, flag
+  xla_gpu_memory_limit_slop_factor: 95% by default, the GPU profile's
+  `xla_flags.scheduler_slop`).
   Over it, XLA's schedule holds less than it would: the 70B on an RTX 4090, each layer
   written in its own trip, compiles to 18.34, 18.72, 19.27 and 20.21 GiB at slop factors
   80, 95, 105 and 120."""
+  device = s.gpu_memory or (device_memory / float(xla_flags.MEMORY_FRACTION)
+                            + targets.CONTEXT_BYTES if device_memory else 0)
   if not device:
-    return 0
-  return max(int((0.8 * device - arguments) * slop), 0)
+    return None
+  return max(int((0.8 * device - arguments) * s.scheduler_slop / 100), 0)
