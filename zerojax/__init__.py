@@ -4,7 +4,10 @@ The library: a ZeRO plan for any parameter pytree (`make_plan`), a train state c
 sharded (`init_state`), and one pure, jitted train step for stages 0-3
 (`make_train_step`). Models whose layers run under a scan call `gather` on each
 layer's params so that stage 3 gathers one layer at a time; `from_nnx` puts a Flax NNX
-module on the plan.
+module on the plan. Around them: `with_update_rule` (any optax transform on bf16
+params, its state kept in fp32), `Checkpointer` (orbax checkpoints of the train state)
+and `fake_cpu_devices` (N CPU devices in one process, to try a plan anywhere). The
+README's "Your own model" section and `examples/` show them together.
 
 The names are imported on first use (PEP 562), as are the rooms (`zerojax.stage3`, ...):
 `import zerojax.run.launch` (`zerojax-launch`, which only starts processes) and
@@ -25,6 +28,12 @@ _NAMES = {
     "StageBehaviour": "zerojax.zero", "ZeroPlan": "zerojax.zero",
     "flax_logical_axes": "zerojax.zero", "make_plan": "zerojax.zero",
     "NnxModel": "zerojax.models.flax_nnx", "from_nnx": "zerojax.models.flax_nnx",
+    # What a library user's own script needs beside the step: fake CPU devices to try
+    # a plan on one machine, the update rules for their own optax transform on bf16
+    # params, and the checkpointer.
+    "fake_cpu_devices": "zerojax.runtime.devices",
+    "with_update_rule": "zerojax.optim.update_rules",
+    "Checkpointer": "zerojax.checkpoint",
 }
 
 __all__ = sorted(_NAMES)

@@ -73,6 +73,9 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
   """Raises ValueError for what release cannot do (yet); returns the stack's depth."""
   if plan.stage != 3:  # One shard is fine: nothing is gathered, every leaf is psummed.
     raise ValueError(f"gradient release runs at ZeRO stage 3; this plan is stage {plan.stage}")
+  if plan.model_state is not None:
+    raise ValueError("gradient release carries no model state (BatchNorm statistics): "
+                     "use make_train_step, or a model without it")
   if accumulation not in ACCUMULATION or clipping not in CLIPPING:
     raise ValueError(f"gradient release: accumulation={accumulation!r} (one of "
                      f"{ACCUMULATION}), clipping={clipping!r} (one of {CLIPPING})")

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import sequence, stage3, streaming, updates, zero
 from zerojax.optim import precision
+from zerojax.runtime import platform
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -54,20 +55,24 @@ class TrainState(NamedTuple):
     rng: uint32[2] key data; each step folds in its step number (and each device its
       index), so randomness is a pure function of (seed, step, device).
     loss_scale: the loss-scale and skipped-step counters (`precision.LossScale`).
+    model_state: the model's non-trainable state (`make_plan(model_state=...)`: linen
+      collections such as `batch_stats`), replicated; None for a model without any.
   """
   step: jax.Array
   params: PyTree
   opt_state: PyTree
   rng: jax.Array
   loss_scale: precision.LossScale
+  model_state: PyTree = None
 
 
 def state_shardings(plan: zero.ZeroPlan) -> TrainState:
   """The NamedSharding of every leaf of the train state (offloaded params and optimizer
   state in host memory: `plan.param_shardings`, `plan.opt_shardings`)."""
   scalars = jax.tree.map(lambda _: P(), jax.eval_shape(precision.init_loss_scale))
-  return plan.shardings(TrainState(step=P(), params=(), opt_state=(),
-                                   rng=P(), loss_scale=scalars))._replace(
+  replicated = jax.tree.map(lambda _: P(), plan.model_state)
+  return plan.shardings(TrainState(step=P(), params=(), opt_state=(), rng=P(),
+                                   loss_scale=scalars, model_state=replicated))._replace(
                                        params=plan.param_shardings,
                                        opt_state=plan.opt_shardings)
 
@@ -76,7 +81,7 @@ def abstract_state(plan: zero.ZeroPlan) -> TrainState:
   """The train state as sharded `jax.ShapeDtypeStruct`s: lower a step without memory."""
   shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), plan.params, plan.opt_state,
                       jax.ShapeDtypeStruct((2,), jnp.uint32),
-                      jax.eval_shape(precision.init_loss_scale))
+                      jax.eval_shape(precision.init_loss_scale), plan.model_state)
   return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
       shapes, state_shardings(plan))
@@ -90,7 +95,8 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
 
   Args:
     plan: the ZeRO plan (from the same `init_fn` shapes and `tx`).
-    init_fn: `rng -> params`.
+    init_fn: `rng -> params`; for a plan with model state, `rng -> (params,
+      model_state)` (e.g. a linen model's `variables.pop('params')`).
     tx: the optimizer.
     rng: a PRNG key (raw uint32[2] or typed).
     loss_scaling: sets the initial loss scale (fp16); the default is a static 1.
@@ -105,15 +111,75 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
 
   def init(key_data, params):
     init_key, state_key = jax.random.split(jax.random.wrap_key_data(key_data))
-    if params is None:
-      params = init_fn(init_key)
+    made, model_state = init_fn(init_key), None
+    if plan.model_state is not None:
+      made, model_state = _split_init(made, plan)
+    if params is None:  # Else `made` is dead code: jit never computes it.
+      params = made
     else:
       params = jax.tree.map(lambda p, like: p.astype(like.dtype), params, plan.params)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
                       jax.random.key_data(state_key),
-                      precision.init_loss_scale(loss_scaling))
+                      precision.init_loss_scale(loss_scaling), model_state)
 
   return jax.jit(init, out_shardings=state_shardings(plan), donate_argnums=1)(key_data, params)
+
+
+def _split_init(made: Any, plan: zero.ZeroPlan) -> tuple[PyTree, PyTree]:
+  """`init_fn`'s (params, model_state), checked against the plan's model state."""
+  if not (isinstance(made, tuple) and len(made) == 2):
+    raise ValueError("the plan has model state (make_plan(model_state=...)), so init_fn "
+                     "must return (params, model_state), e.g. variables.pop('params')")
+  _check_model_state(made[1], plan, "init_fn's model state")
+  return made
+
+
+def _check_model_state(tree: PyTree, plan: zero.ZeroPlan, what: str) -> None:
+  """One line if `tree` is not the plan's model state (structure, shapes, dtypes)."""
+  shapes = lambda t: jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype).name), t)
+  try:
+    want, got = shapes(plan.model_state), shapes(tree)
+  except (TypeError, AttributeError) as e:
+    raise ValueError(f"{what} is not a pytree of arrays: {e}") from None
+  if want != got:
+    raise ValueError(f"{what} does not match the plan's (make_plan(model_state=...)): "
+                     f"{jax.tree.structure(got)} {jax.tree.leaves(got)[:3]} against "
+                     f"{jax.tree.structure(want)} {jax.tree.leaves(want)[:3]}")
+
+
+def split_output(out: Any, stateful: bool) -> tuple[jax.Array, dict, PyTree]:
+  """A loss function's result as (loss, aux, new model state), checked.
+
+  Without model state `out` is `loss` or `(loss, aux)`; with it, `(loss, aux,
+  new_model_state)`. Every aux value must be a scalar: the step reports its mean over
+  the data-parallel devices, and anything else (batch statistics) belongs in the model
+  state, which is carried and averaged leaf by leaf.
+  """
+  if stateful:
+    if not (isinstance(out, tuple) and len(out) == 3):
+      raise ValueError("with model state (make_plan(model_state=...)) the loss function "
+                       "returns (loss, aux_dict, new_model_state)")
+    loss, aux, new = out
+  else:
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    new = None
+  for path, value in jax.tree_util.tree_leaves_with_path(aux):
+    if jnp.ndim(value) != 0:
+      raise ValueError(
+          f"aux value {jax.tree_util.keystr(path)} has shape {jnp.shape(value)}: aux values "
+          "are scalar metrics "
+          "(the step averages them); carry arrays such as batch statistics as model "
+          "state: make_plan(model_state=...), returned by the loss as its third value")
+  return loss, aux, new
+
+
+def average_model_state(plan: zero.ZeroPlan, new: PyTree) -> PyTree:
+  """The new model state averaged over the data-parallel devices (inside shard_map):
+  float leaves by their mean (BatchNorm's running statistics, as a synchronised copy
+  would hold them); others (counters) must agree and are kept."""
+  mean = lambda x: (jax.lax.pmean(x, plan.data_axes)
+                    if jnp.issubdtype(x.dtype, jnp.inexact) else x)
+  return jax.tree.map(mean, new)
 
 
 def leading_size(batch: PyTree) -> int:
@@ -258,36 +324,72 @@ def _local_grads(plan: zero.ZeroPlan, loss_fn: LossFn, microbatches: int,
       return jnp.zeros(shape, accum_dtype)
     return jax.tree.map(leaf, params, dims, experts, is_leaf=is_dim)
 
-  def local(params, batch, rng, scale):
+  def local(params, batch, rng, scale, model_state):
     rng = jax.random.fold_in(jax.random.wrap_key_data(rng),
                              jax.lax.axis_index(plan.data_axes))
     split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
     micro = jax.tree.map(split, batch)
 
-    def objective(p32, mb, key):
+    def objective(p32, mb, key, model_state):
       seen = materialize(plan, p32, upcast_params)
-      out = loss_fn(seen, ordered_batch(seen, mb), key)
-      loss, aux = out if isinstance(out, tuple) else (out, {})
+      args = () if model_state is None else (model_state,)
+      loss, aux, new = split_output(
+          loss_fn(seen, ordered_batch(seen, mb), key, *args), model_state is not None)
+      if model_state is not None:
+        _check_model_state(new, plan, "the loss function's new model state")
       loss = loss.astype(jnp.float32)
-      return loss * scale, (loss, aux)  # fp16: scaled so small gradients survive.
+      return loss * scale, (loss, aux, new)  # fp16: scaled so small gradients survive.
 
-    def body(acc, xs):
+    def body(carry, xs):
+      acc, model_state = carry
       mb, i = xs
       # Cast in the loop: a model may write its gradient over these fp32 params
       # (`stage3.scan_layers`), so each microbatch differentiates a fresh copy.
       p32 = jax.tree.map(lambda p: p.astype(reduce_dtype), params)
-      (_, (loss, aux)), g = jax.value_and_grad(objective, has_aux=True)(
-          p32, mb, jax.random.fold_in(rng, i))
-      acc = jax.tree.map(lambda a, g: a + g.astype(accum_dtype), acc, scatter(g))
-      return acc, (loss, aux)
+      (_, (loss, aux, model_state)), g = jax.value_and_grad(objective, has_aux=True)(
+          p32, mb, jax.random.fold_in(rng, i), model_state)
+      g = jax.tree.map(lambda g: g.astype(accum_dtype), scatter(g))
+      acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+      return (acc, model_state), (loss, aux)  # Each microbatch sees the last's state.
 
-    acc, (losses, aux) = jax.lax.scan(
-        body, acc_zeros(params), (micro, jnp.arange(microbatches)))
+    first = jax.tree.map(lambda x: x[0], micro)
+    if microbatches == 1:
+      # No loop: XLA:CPU runs a while body's convolutions several times slower than the
+      # same ops outside one (a linen CNN: 6x; issue 51), and a one-trip loop buys nothing.
+      (acc, model_state), out = body((None, model_state), (first, 0))
+      losses, aux = jax.tree.map(lambda x: x[None], out)
+    else:
+      # A loop keeps one microbatch's activations live; on XLA:CPU a model that convolves
+      # is unrolled instead (4 microbatches of the CNN: 6.6-12.4x jax.jit's time in a
+      # loop, 1.3-1.6x unrolled), at the cost of compiling the body once a microbatch.
+      unroll = platform.backend() == "cpu" and _convolves(
+          objective, jax.tree.map(lambda p: p.astype(reduce_dtype), params), first,
+          jax.random.fold_in(rng, 0), model_state)
+      (acc, model_state), (losses, aux) = jax.lax.scan(
+          body, (acc_zeros(params), model_state), (micro, jnp.arange(microbatches)),
+          unroll=unroll)
     grads = finish(acc)
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
-    return grads, mean(losses), jax.tree.map(mean, aux)
+    if model_state is not None:
+      model_state = average_model_state(plan, model_state)
+    return grads, mean(losses), jax.tree.map(mean, aux), model_state
 
   return local
+
+
+def _convolves(fn: Callable, *args) -> bool:
+  """Whether `fn(*args)` runs a convolution, read from its jaxpr (nested ones too)."""
+  def found(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "conv_general_dilated":
+        return True
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr's Jaxpr.
+          if hasattr(sub, "eqns") and found(sub):
+            return True
+    return False
+  return found(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
 def learning_rate_metric(state: TrainState,
@@ -316,9 +418,13 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   Args:
     plan: the ZeRO plan of the params and optimizer state.
     loss_fn: `(params, batch, rng) -> loss` or `(loss, aux_dict)`, the mean over the
-      examples it is given (one device's microbatch). At stage 3 the layer-stacked
-      params arrive as `zerojax.Sharded` leaves: call `zerojax.gather` on each layer's
-      slice inside the scan body.
+      examples it is given (one device's microbatch); aux values are scalars. At stage
+      3 the layer-stacked params arrive as `zerojax.Sharded` leaves: call
+      `zerojax.gather` on each layer's slice inside the scan body. With model state
+      (`make_plan(model_state=...)`): `(params, batch, rng, model_state) -> (loss,
+      aux_dict, new_model_state)`; microbatches see it in turn, and the step stores the
+      last one's averaged over the data-parallel devices (float leaves; a BatchNorm
+      with `axis_name=plan.data_axes` computes the global batch's statistics itself).
     tx: any optax transform. It runs on sharded arrays under GSPMD, so transforms
       that reduce over the whole tree (global-norm clipping) stay correct.
     microbatches: gradient accumulation steps; each device's batch slice is split
@@ -380,11 +486,12 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     params = streaming.to_device(state.params, plan.param_offloaded)
     rng = jax.random.key_data(jax.random.fold_in(
         jax.random.wrap_key_data(state.rng), state.step))
-    grads, loss, aux = jax.shard_map(
+    grads, loss, aux, model_state = jax.shard_map(
         local, mesh=plan.mesh,
-        in_specs=(plan.param_specs, plan.local_batch_spec, P(), P()),
-        out_specs=(plan.grad_specs, P(), P()), check_vma=False)(
-            params, sequence.shard_batch(plan, batch), rng, state.loss_scale.scale)
+        in_specs=(plan.param_specs, plan.local_batch_spec, P(), P(), P()),
+        out_specs=(plan.grad_specs, P(), P(), P()), check_vma=False)(
+            params, sequence.shard_batch(plan, batch), rng, state.loss_scale.scale,
+            state.model_state)
     # `grads` are sums; the mean is `grads * mean_scale`, applied by each consumer (the
     # reductions here, the update slice by slice) rather than once into a second whole
     # fp32 gradient. The arithmetic is the same as scaling first.
@@ -423,8 +530,11 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                    consecutive_skips=loss_scale.consecutive_skips.astype(jnp.float32),
                    loss_scale=loss_scale.scale, **aux)
     metrics.update(learning_rate_metric(state, learning_rate))
+    # A skipped step keeps the model state too: its statistics saw the same batch.
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state,
+                               state.model_state)
     return TrainState(state.step + 1, new_params, opt_state, state.rng,
-                      loss_scale), metrics
+                      loss_scale, model_state), metrics
 
   batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
   return jax.jit(step, in_shardings=(shardings, batch_sharding),
@@ -432,30 +542,42 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                  donate_argnums=(0,) if donate else ())
 
 
-def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[[PyTree, PyTree], dict]:
-  """Returns the jitted `eval_step(params, batch) -> metrics`, gathering as training does.
+def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[..., dict]:
+  """Returns the jitted `eval_step(params, batch[, model_state]) -> metrics`, gathering
+  as training does.
 
   Args:
     plan: the ZeRO plan; at stage 3 the params stay sharded and the model gathers one
       layer at a time, as in the train step.
-    loss_fn: as for `make_train_step`; it gets a fixed rng (evaluation is deterministic).
+    loss_fn: as for `make_train_step`; it gets a fixed rng (evaluation is
+      deterministic). With model state it gets `state.model_state` too (pass it as the
+      third argument) and may return `loss`, `(loss, aux)` or the train step's `(loss,
+      aux, new_model_state)`, whose state is dropped: for BatchNorm's running
+      statistics, a loss function that runs the model in inference mode.
 
   Returns:
-    A `jax.jit` function of (params laid out by the plan, global batch) whose metrics
-    are the fp32 means over the batch: loss and the loss_fn's aux values.
+    A `jax.jit` function of (params laid out by the plan, global batch[, model state])
+    whose metrics are the fp32 means over the batch: loss and the loss_fn's aux values.
   """
-  def local(params, batch):
+  stateful = plan.model_state is not None
+
+  def local(params, batch, model_state):
     seen = materialize(plan, params)
-    out = loss_fn(seen, ordered_batch(seen, batch), jax.random.key(0))
-    loss, aux = out if isinstance(out, tuple) else (out, {})
+    out = loss_fn(seen, ordered_batch(seen, batch), jax.random.key(0),
+                  *((model_state,) if stateful else ()))
+    # The train step's loss (returning a new state) or one written for inference.
+    loss, aux, _ = split_output(out[:2] if isinstance(out, tuple) else out, False)
     mean = lambda x: jax.lax.pmean(jnp.mean(x.astype(jnp.float32)), plan.data_axes)
     return dict(loss=mean(loss), **jax.tree.map(mean, aux))
 
-  def evaluate(params, batch):
+  def evaluate(params, batch, model_state=None):
     return jax.shard_map(local, mesh=plan.mesh,
-                         in_specs=(plan.param_specs, plan.local_batch_spec),
-                         out_specs=P(), check_vma=False)(params, sequence.shard_batch(plan, batch))
+                         in_specs=(plan.param_specs, plan.local_batch_spec, P()),
+                         out_specs=P(), check_vma=False)(
+                             params, sequence.shard_batch(plan, batch), model_state)
 
+  # With model state the third argument is required (jit counts the shardings).
+  model_state = (state_shardings(plan).model_state,) if stateful else ()
   return jax.jit(evaluate, in_shardings=(
       plan.param_shardings,
-      jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)))
+      jax.sharding.NamedSharding(plan.mesh, plan.batch_spec), *model_state))

@@ -177,6 +177,9 @@ class ZeroPlan:
       at every stage (an experts' kernel: expert parallelism), or None. Such a leaf is
       ZeRO-sharded over the shard axes less 'expert' (`leaf_axes`), and its gradient is
       never summed over 'expert' (each device holds other experts: `reduce_axes`).
+    model_state: the shapes of the model's non-trainable state (linen collections such
+      as `batch_stats`, NNX `BatchStat`s), replicated on every device and averaged over
+      the data-parallel devices each step; None: the model has none.
   """
   mesh: Mesh
   stage: int
@@ -191,6 +194,7 @@ class ZeroPlan:
   sequence_axes: tuple[str, ...] = ()
   param_offload: bool = False
   expert_dims: PyTree = None
+  model_state: PyTree = None
 
   @property
   def num_shards(self) -> int:
@@ -360,7 +364,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               shard_axes: tuple[str, ...] | None = None,
               offload: bool = False,
               sequence_axes: tuple[str, ...] = (),
-              param_offload: bool = False) -> ZeroPlan:
+              param_offload: bool = False,
+              model_state: PyTree | None = None) -> ZeroPlan:
   """Plans the sharding of a parameter pytree and its optimizer state.
 
   Args:
@@ -381,6 +386,10 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     sequence_axes: mesh axes to split each sequence over (sequence parallelism;
       `zerojax.sequence`); the batch's examples are split over the other axes.
     param_offload: keep the layer-stacked params in host memory (stage 3 only).
+    model_state: the model's non-trainable state, or its shapes (e.g. a linen model's
+      `{'batch_stats': ...}` from `jax.eval_shape(model.init, ...)`): carried in
+      `TrainState.model_state`, replicated, and handed to the loss function, whose new
+      state the step averages over the data-parallel devices (`make_train_step`).
 
   Returns:
     The `ZeroPlan`.
@@ -453,7 +462,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
                   opt_state=abstract(opt_state), param_dims=param_dims,
                   per_layer=per_layer, opt_dims=opt_dims, offload=offload,
                   sequence_axes=tuple(sequence_axes), param_offload=param_offload,
-                  expert_dims=expert_dims)
+                  expert_dims=expert_dims,
+                  model_state=None if model_state is None else abstract(model_state))
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:
