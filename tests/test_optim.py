@@ -290,3 +290,107 @@ def test_stochastic_rounding_by_layer_draws_each_layers_own_bits():
     assert not np.array_equal(got[0], got[1]), path  # Each layer its own bits.
   key = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.key))[0])
   np.testing.assert_array_equal(new_state.key, key)
+
+
+# --- Optimizer-state precision for any optax transform --------------------------------
+
+FOREIGN = {  # optax's own, which make their state in the dtype of the params they get.
+    "adamw": lambda: optax.adamw(1e-2),
+    "lion": lambda: optax.lion(1e-3),
+    # min_dim_size_to_factor=4: the [4, 8] leaf's statistics are factored, the [8] one's not.
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+}
+
+
+def float_leaves(tree):
+  return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+          if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+@pytest.mark.parametrize("rule", update_rules.UPDATE_RULES)
+@pytest.mark.parametrize("name", sorted(FOREIGN))
+def test_wrapped_optax_state_on_bf16_params_is_the_fp32_runs(name, rule):
+  """10 steps of a constant gradient, then 200 of zero gradients: every float leaf of the
+  inner transform's state on bf16 params is within 1e-3 of the fp32-param run's, relative
+  to the leaf's max abs after the 10 real steps. With the state in bf16 (optax's own, on
+  bf16 params) Adam's nu never decays (1.9e-1) and Lion's momentum carries bf16's
+  rounding (5.0e-2). The rule's own buffers (Kahan's compensation: bf16's residual, 0 in
+  fp32) are not the optimizer's state."""
+  rs = np.random.RandomState(0)
+  # Values bf16 holds: both runs start from the same params and see the same gradients.
+  bf16_values = lambda *shape: np.asarray(jnp.asarray(rs.normal(size=shape), BF16), np.float32)
+  p0, g0 = ({"w": bf16_values(4, 8), "b": bf16_values(8)} for _ in range(2))
+  inner = lambda state: state if rule == "nearest" else state.inner
+
+  def run(dtype):
+    tx = update_rules.with_update_rule(FOREIGN[name](), rule)
+    cast = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+    def steps(carry, grads, n):
+      def body(carry, _):
+        params, state = carry
+        u, state = tx.update(grads, state, params)
+        return (optax.apply_updates(params, u), state), None
+      return jax.lax.scan(body, carry, length=n)[0]
+
+    params = cast(p0)
+    carry = steps((params, tx.init(params)), cast(g0), 10)
+    after_real = inner(carry[1])
+    return after_real, inner(steps(carry, cast(jax.tree.map(np.zeros_like, g0)), 200)[1])
+
+  (sizes, want), (_, got) = jax.jit(lambda: (run(F32), run(BF16)))()
+  errors = {}
+  for (path, w), (_, g), (_, size) in zip(float_leaves(want), float_leaves(got),
+                                          float_leaves(sizes), strict=True):
+    assert g.dtype == F32, (path, g.dtype)
+    scale = float(jnp.max(jnp.abs(size)))
+    errors[path] = float(jnp.max(jnp.abs(g - w))) / (scale if scale > 0 else 1.0)
+  assert errors and max(errors.values()) <= 1e-3, errors
+
+
+def test_narrow_inner_state_is_refused_unless_declared():
+  """A leaf the transform itself makes bf16 (optax.adam's mu_dtype) is refused at init;
+  declared, it stays bf16 step after step (nu, made like the params, is fp32). An update
+  that narrows its state is refused too."""
+  params = {"w": jnp.ones((4, 8), BF16)}
+  adam = lambda: optax.adam(1e-3, mu_dtype=BF16)
+  with pytest.raises(ValueError, match=r"\[0\]\.mu\['w'\] \(bfloat16\).*state_dtype=jnp.bfloat16"):
+    update_rules.with_update_rule(adam(), "kahan").init(params)
+  with pytest.raises(ValueError, match="float dtype"):
+    update_rules.with_update_rule(adam(), "kahan", state_dtype=jnp.int32)
+  tx = update_rules.with_update_rule(adam(), "kahan", state_dtype=BF16)
+  state = tx.init(params)
+  _, state = jax.jit(tx.update)({"w": jnp.ones((4, 8), BF16)}, state, params)
+  assert state.inner[0].mu["w"].dtype == BF16 and state.inner[0].nu["w"].dtype == F32
+  update_rules.check_state_precision(tx, params)  # Declared: the step's check passes.
+  # Handed the bf16 params (zerojax's own optimizers' bit-for-bit mode), optax's adafactor
+  # makes its statistics in their dtype: refused when traced, not rounded step by step.
+  tx = update_rules.with_update_rule(optax.adafactor(1e-3), "nearest", fp32_params=False)
+  with pytest.raises(ValueError, match=r"\[0\]\.v\['w'\] \(bfloat16\).*fp32_params=True"):
+    jax.eval_shape(tx.update, params, tx.init(params), params)
+
+
+def test_check_state_precision_refuses_unwrapped_bf16_state():
+  """The train step's guard: optax's own on bf16 params is refused (naming the leaves and
+  with_update_rule); wrapped, zerojax's own (bf16 moments declared, with carry_grad_norm),
+  fp32 params, and a wrapped transform inside optax.multi_transform pass; the raw part
+  of a multi_transform is named."""
+  params = {"w": jnp.ones((4, 8), BF16), "b": jnp.ones((8,), BF16)}
+  check = update_rules.check_state_precision
+  with pytest.raises(ValueError,
+                     match=r"\[0\]\.mu\['b'\] \(bfloat16\).*and 1 more.*zerojax.with_update_rule"):
+    check(optax.adamw(1e-3), params)
+  check(optax.adamw(1e-3), jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, F32), params))
+  for rule in update_rules.UPDATE_RULES:
+    check(update_rules.with_update_rule(optax.adamw(1e-3), rule), params)
+  check(optim.carry_grad_norm(optim.adamw(1e-3, b2=0.95, state_dtype=BF16, update_rule="kahan")),
+        params)
+  check(optim.lion(1e-3, state_dtype=BF16, update_rule="stochastic"), params)
+  labels = {"w": "train", "b": "other"}
+  wrapped = update_rules.with_update_rule(optax.adamw(1e-3), "kahan")
+  check(optax.multi_transform({"train": wrapped, "other": optax.set_to_zero()}, labels), params)
+  with pytest.raises(ValueError, match=r"^optimizer state leaves \[1\]\.inner_states\['other'\]"
+                     r"\.inner_state\[0\]\.trace\['b'\] \(bfloat16\) are below float32"):
+    check(optax.chain(optax.clip(1.0), optax.multi_transform(
+        {"train": wrapped, "other": optax.sgd(1e-2, momentum=0.9)}, labels)), params)

@@ -8,7 +8,8 @@ Two independent choices make a recipe:
 
 * **state dtype**: every moment (Adam's `mu` *and* `nu`, Lion's and SGD's momentum) is
   stored in `state_dtype` (fp32 or bf16) and computed in fp32. optax keeps Adam's `nu`
-  in the parameter dtype whatever `mu_dtype` says, so these are zerojax's own.
+  in the parameter dtype whatever `mu_dtype` says, so these are zerojax's own. (Any
+  optax transform wrapped in `update_rules.with_update_rule` keeps its state in fp32.)
 * **update rule**: how the fp32 update reaches a bf16 parameter: nearest, kahan,
   stochastic or master (`zerojax.optim.update_rules`).
 
@@ -264,7 +265,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
   tx = with_update_rule(optax.chain(
       scale_by_adam(b1, b2, eps, state_dtype),
       optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed,
+      state_dtype=state_dtype, fp32_params=False)
   return _leafwise(tx, update_rule, mask)
 
 
@@ -276,7 +278,8 @@ def lion(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
   tx = with_update_rule(optax.chain(
       scale_by_lion(b1, b2, state_dtype),
       optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed)
+      optax.scale_by_learning_rate(learning_rate)), update_rule, seed=seed,
+      state_dtype=state_dtype, fp32_params=False)
   return _leafwise(tx, update_rule, mask)
 
 
@@ -289,7 +292,8 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float = 0.0,
   if momentum:
     parts.append(trace(momentum, nesterov, state_dtype))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  tx = with_update_rule(optax.chain(*parts), update_rule, seed=seed)
+  tx = with_update_rule(optax.chain(*parts), update_rule, seed=seed, state_dtype=state_dtype,
+                        fp32_params=False)
   return _leafwise(tx, update_rule, mask)
 
 
