@@ -17,6 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -484,6 +485,38 @@ def test_incompatible_config_is_an_error(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="leaves of another shape or dtype"):
       ckpt.restore_latest(fp32_plan)
   assert os.listdir(tmp_path) == ["1"]  # Nothing moved aside.
+
+
+def test_restoring_with_another_optimizer_names_the_leaves_and_the_fix(tmp_path):
+  """A library user's checkpoint of an AdamW state restored into an SGD-with-momentum plan:
+  one line naming the optimizer state's leaves on either side and the fix (not a version
+  compared with itself, not a train.py hint); nothing is read or moved. The fix it names
+  works: restored with AdamW, the params start the SGD state."""
+  init = lambda key: {"w": jax.random.normal(key, (32, 16)), "b": jnp.zeros((16,))}
+  mesh, shapes = zerojax.make_mesh(1, 8), jax.eval_shape(init, KEY)
+  adamw, sgd = optax.adamw(1e-3), optax.sgd(0.1, momentum=0.9)
+  plan = zerojax.make_plan(mesh, 2, shapes, adamw, min_shard_size=0)
+  sgd_plan = zerojax.make_plan(mesh, 2, shapes, sgd, min_shard_size=0)
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=0) as ckpt:
+    ckpt.save(0, zerojax.init_state(plan, init, adamw, KEY))
+  with checkpoint.Checkpointer(tmp_path, save_every_steps=0) as ckpt:
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      ckpt.restore_latest(sgd_plan)
+    assert not isinstance(e.value, checkpoint.DamagedCheckpointError)
+    assert str(e.value) == (
+        f"{tmp_path}/0 holds another train state than the target (both zerojax "
+        f"{checkpoint.layout.version()}): the optimizer state differs: 5 leaves "
+        "(opt_state/0/count, opt_state/0/mu/b, opt_state/0/mu/w and 2 more) only in the "
+        "checkpoint, 2 leaves (opt_state/0/trace/b, opt_state/0/trace/w) only in the target; "
+        "it was saved with another optimizer (or chain of optax transforms): restore it into "
+        "a plan made with that one (make_plan(mesh, stage, params, tx)); to go on with "
+        "another, start the new optimizer's state from the restored params: "
+        "zerojax.init_state(plan, init_fn, tx, rng, params=state.params)")
+    assert os.listdir(tmp_path) == ["0"]  # Nothing moved aside.
+    state, _ = ckpt.restore(0, plan)
+  want = jax.device_get(state.params)
+  moved = zerojax.init_state(sgd_plan, init, sgd, KEY, params=state.params)
+  assert jax.tree.map(np.array_equal, jax.device_get(moved.params), want) == {"w": True, "b": True}
 
 
 def test_stop_signal():

@@ -111,3 +111,35 @@ def test_state_besides_params_is_refused():
   create = lambda rngs: nnx.BatchNorm(8, rngs=rngs)
   with pytest.raises(ValueError, match="BatchStat"):
     zerojax.from_nnx(create, lambda module, batch, rng: 0.0)
+
+
+def test_a_key_stored_in_the_module_is_one_line_naming_the_fix():
+  """Dropout drawing from the module's own `nnx.Rngs` cannot advance its count inside the
+  jitted step: one line naming `nnx.Rngs(dropout=rng)`, not flax's TraceContextError; the
+  step's rng passed per call traces. Traced only: nothing is compiled."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(16, 16, rngs=rngs)
+      self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+      return self.dropout(self.linear(x), rngs=rngs)
+
+  stored = lambda module, batch, rng: (module(batch["x"]) ** 2).mean()
+  per_call = lambda module, batch, rng: (module(batch["x"], nnx.Rngs(dropout=rng)) ** 2).mean()
+  tx = optax.sgd(0.1)
+
+  def trace(loss_fn):
+    model = zerojax.from_nnx(Net, loss_fn)
+    plan = zerojax.make_plan(zerojax.make_mesh(1, 8), 2, model.params, tx)
+    zerojax.make_train_step(plan, model.loss, tx).trace(
+        zerojax.abstract_state(plan), {"x": jax.ShapeDtypeStruct((8, 16), np.float32)})
+
+  trace(per_call)
+  with pytest.raises(ValueError, match=r"^the NNX module draws random numbers from an "
+                     r"nnx.Rngs stored in it.*RngCount.*: pass the step's rng to each call "
+                     r"instead, e.g. module\(x, rngs=nnx.Rngs\(dropout=rng\)\)") as e:
+    trace(stored)
+  assert "\n" not in str(e.value)

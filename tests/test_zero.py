@@ -2,7 +2,9 @@
 
 import dataclasses
 import functools
+import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from zerojax.models import llama
 from zerojax.models.mlp_lm import MlpLM
 from zerojax.testing import hlo
 
@@ -131,6 +134,90 @@ def test_plan_rejects_bad_input():
     zerojax.make_plan(mesh, 3, shapes, optax.sgd(0.1), logical_axes=bad_axes)
 
 
+def scanned_net(annotate_norm):
+  """The params and logical axes of a linen model of 8 scanned blocks (LayerNorm, then a
+  Dense with a 'layers'-annotated kernel) and an unannotated head; the LayerNorm's scale
+  and bias annotated or not (flax's default: no partitioning metadata)."""
+  D, L = 64, 8
+  names = lambda *n: (lambda init: nn.with_logical_partitioning(init, n))  # noqa: E731
+  keep = lambda init: init  # noqa: E731
+  norm_init = names("embed") if annotate_norm else keep
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.LayerNorm(scale_init=norm_init(nn.initializers.ones),
+                       bias_init=norm_init(nn.initializers.zeros))(x)
+      kernel = names("embed", "mlp")(nn.initializers.lecun_normal())
+      return x + nn.Dense(D, use_bias=False, kernel_init=kernel)(h), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=L, metadata_params={nn.PARTITION_NAME: "layers"})(name="blocks")(
+                         x, None)
+      return nn.Dense(D, use_bias=False, name="head")(x)
+
+  boxed = jax.eval_shape(Net().init, jax.random.key(0), jnp.zeros((1, D)))["params"]
+  return nn.unbox(boxed), zerojax.flax_logical_axes(boxed)
+
+
+def plan_warnings(*args, **kw):
+  """(plan, the messages of the WholeGatherWarnings `make_plan` gave)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plan = zerojax.make_plan(zerojax.make_mesh(1, 8), *args, **kw)
+  return plan, [str(w.message) for w in caught
+                if issubclass(w.category, zerojax.zero.WholeGatherWarning)]
+
+
+def test_stage_3_reports_what_it_gathers_whole():
+  """At plan time: the sharded leaves stage 3 gathers whole (paths, shapes, bytes), in one
+  line for a start report, and one warning naming the fix where it looks like a mistake:
+  a scanned block's unannotated LayerNorm (every layer of it gathered at once), or a model
+  with no 'layers' axis at all. The fix it names silences it; the Llama's embedding and
+  head, gathered whole by design, and stage 2 say nothing."""
+  params, axes = scanned_net(annotate_norm=False)
+  plan, said = plan_warnings(3, params, logical_axes=axes, min_shard_size=256)
+  whole = {w.path: w for w in plan.gathered_whole}
+  assert sorted(whole) == ["blocks/LayerNorm_0/bias", "blocks/LayerNorm_0/scale", "head/kernel"]
+  assert whole["blocks/LayerNorm_0/scale"] == zerojax.zero.WholeLeaf(
+      "blocks/LayerNorm_0/scale", (8, 64), "float32", 8 * 64 * 4, True)
+  assert not whole["head/kernel"].in_stack and whole["head/kernel"].bytes == 64 * 64 * 4
+  assert plan.per_layer_bytes == 64 * 64 * 4  # One layer of the Dense kernels.
+  assert len(said) == 1 and "\n" not in said[0], said
+  assert said[0].startswith("stage 3 gathers 2 leaves of a layer stack whole, every layer at "
+                            "once: 4.00 KiB (blocks/LayerNorm_0/bias [8, 64] 2.00 KiB, ")
+  assert "metadata_params={nn.PARTITION_NAME: 'layers'}" in said[0]
+  assert "LayerNorm's scale_init and bias_init" in said[0]
+  assert zerojax.zero.whole_gather_line(plan) == (
+      "stage 3 gathers 3 leaves whole before the loss, 20.00 KiB in float32 (head/kernel "
+      "[64, 64] 16.00 KiB, blocks/LayerNorm_0/bias [8, 64] 2.00 KiB, blocks/LayerNorm_0/scale "
+      "[8, 64] 2.00 KiB); one layer of the layer stacks: 16.00 KiB")
+  assert plan_warnings(2, params, logical_axes=axes, min_shard_size=256)[0].gathered_whole == ()
+
+  params, axes = scanned_net(annotate_norm=True)  # The fix: only the head is whole.
+  plan, said = plan_warnings(3, params, logical_axes=axes, min_shard_size=256)
+  assert [w.path for w in plan.gathered_whole] == ["head/kernel"] and said == []
+
+  mlp = {"up": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16),  # No layer stacks at all.
+         "down": jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)}
+  plan, said = plan_warnings(3, mlp)
+  assert len(said) == 1 and said[0].startswith(
+      "stage 3 gathers the whole model at once before the loss: 2 leaves, 64.00 KiB (down "
+      "[256, 64] 32.00 KiB, up [64, 256] 32.00 KiB), no leaf having a 'layers' logical axis: "
+      "the step's peak holds every param whole"), said
+  assert zerojax.zero.whole_gather_line(plan).endswith("; no leaf has a 'layers' axis")
+
+  lm = llama.LlamaLM(llama.LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4,
+                                       n_kv_heads=2, d_ff=128))
+  plan, said = plan_warnings(3, jax.eval_shape(lm.init, jax.random.key(0)),
+                             logical_axes=lm.logical_axes())
+  assert said == [] and {w.path for w in plan.gathered_whole} == {
+      "embed_tokens/embedding", "lm_head/kernel"}
+
+
 def test_mesh_resolves_rest_and_rejects_mismatch():
   assert dict(zerojax.make_mesh(2, -1).shape) == {"data": 2, "expert": 1, "fsdp": 4}
   assert dict(zerojax.make_mesh(-1, 2).shape) == {"data": 4, "expert": 1, "fsdp": 2}
@@ -233,12 +320,27 @@ def test_eval_step_equals_plain_loss(stage):
 
 
 def test_indivisible_batch_is_a_clear_error():
+  """A batch the example devices x microbatches do not divide is one line naming the fix,
+  given before `jax.jit` lays the batch out: 60 on 8 devices x 4 microbatches as 40 (jit's
+  layout refused 60 first, with JAX's `IndivisibleError`), in the train and eval steps,
+  called or lowered. Nothing is compiled: the check comes first."""
   model, tx = MlpLM(**SMALL), optax.sgd(0.1)
   plan = setup(model, 2, (2, 4), tx)
-  state = zerojax.init_state(plan, model.init, tx, jax.random.PRNGKey(0))
+  state = zerojax.abstract_state(plan)
   step = zerojax.make_train_step(plan, model.loss, tx, microbatches=2)
   with pytest.raises(ValueError, match=r"\['tokens'\].*divisible by 16"):
     step(state, tokens(batch=8))
+  step = zerojax.make_train_step(plan, model.loss, tx, microbatches=4)
+  for n in (40, 60):
+    with pytest.raises(ValueError, match=(
+        rf"shape \({n}, 17\): .* divisible by 32 = data-parallel devices \(8\) x microbatches "
+        r"\(4\): make the global batch a multiple of 32 \(32 or 64\), or use fewer "
+        r"microbatches$")):
+      step(state, tokens(batch=n))
+    with pytest.raises(ValueError, match="divisible by 32"):
+      step.lower(state, {"tokens": jax.ShapeDtypeStruct((n, 17), jnp.int32)})
+  with pytest.raises(ValueError, match=r"divisible by 8 .* a multiple of 8 \(56 or 64\)$"):
+    zerojax.make_eval_step(plan, model.loss)(state.params, tokens(batch=60))
 
 
 def test_model_must_gather_its_shards_at_stage_3():

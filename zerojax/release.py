@@ -120,6 +120,7 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
   return depths.pop()
 
 
+@zero.checks_batch
 def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                       tx: optax.GradientTransformation, *, microbatches: int = 1,
                       accumulation: str = "none", max_grad_norm: float = 0.0,

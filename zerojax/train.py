@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import zerojax
-from zerojax import checkpoint, data, generate, hf, memory, streaming
+from zerojax import checkpoint, data, generate, hf, memory, streaming, zero
 from zerojax.build import Built, build, compile_step
 from zerojax.config import (
   ArgumentParser,
@@ -225,6 +225,8 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
          f"(compile {time.perf_counter() - start:.1f}s)",
          devices=jax.device_count(), processes=jax.process_count(), mesh=dict(mesh.shape),
          stage=c.zero.stage, params=n_params, memory=mem)
+  if gathers := zero.whole_gather_line(plan):  # Stage 3: what is gathered whole, at once.
+    report(gathers)
   if text and (copies := streaming.schedule.overlap_line(text)):
     report(copies)  # Whether the streams can hide behind the layers' compute.
     if timed := memory_report.timed_line(mem):

@@ -21,8 +21,11 @@ The stage-3 runtime (`Sharded`, `gather`, `scan_layers`) is `zerojax.stage3`'s.
 """
 
 import dataclasses
+import functools
 import math
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -31,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import EXPERT_AXIS, MESH_AXES
+from zerojax.runtime.units import fmt_bytes
 
 PyTree = Any
 
@@ -177,6 +181,8 @@ class ZeroPlan:
       at every stage (an experts' kernel: expert parallelism), or None. Such a leaf is
       ZeRO-sharded over the shard axes less 'expert' (`leaf_axes`), and its gradient is
       never summed over 'expert' (each device holds other experts: `reduce_axes`).
+    logical_axes: per parameter leaf, its logical axis names as `make_plan` was given
+      them (None: none given), for `gathered_whole`.
     model_state: the shapes of the model's non-trainable state (linen collections such
       as `batch_stats`, NNX `BatchStat`s), replicated on every device and averaged over
       the data-parallel devices each step; None: the model has none.
@@ -194,6 +200,7 @@ class ZeroPlan:
   sequence_axes: tuple[str, ...] = ()
   param_offload: bool = False
   expert_dims: PyTree = None
+  logical_axes: PyTree = None
   model_state: PyTree = None
 
   @property
@@ -241,6 +248,26 @@ class ZeroPlan:
   def num_examples(self) -> int:
     """Devices the examples are split over: the global batch must divide by this."""
     return math.prod(self.mesh.shape[a] for a in self.example_axes)
+
+  def check_batch(self, batch: PyTree, microbatches: int = 1) -> None:
+    """Raises a one-line `ValueError` naming the fix if `batch` (a global batch: arrays,
+    or their shapes) cannot be split over the example devices into `microbatches` equal
+    microbatches. The step builders run it before `jax.jit` lays the batch out
+    (`checks_batch`): a batch indivisible by the devices would meet JAX's own
+    `IndivisibleError` first."""
+    multiple = self.num_examples * microbatches
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+      shape = tuple(getattr(leaf, "shape", ()))
+      if not shape or shape[0] % multiple:
+        n = shape[0] if shape else 0
+        fix = (f"make the global batch a multiple of {multiple} ("
+               + " or ".join(str(k) for k in sorted({max(multiple, n // multiple * multiple),
+                                                    -(-n // multiple) * multiple} - {0}))
+               + ")" + (", or use fewer microbatches" if microbatches > 1 else ""))
+        raise ValueError(
+            f"batch leaf {jax.tree_util.keystr(path)} has shape {shape}: its leading "
+            f"(example) dimension must be divisible by {multiple} = data-parallel devices "
+            f"({self.num_examples}) x microbatches ({microbatches}): {fix}")
 
   @property
   def sequence_size(self) -> int:
@@ -345,6 +372,210 @@ class ZeroPlan:
                         is_leaf=lambda s: isinstance(s, P))
 
 
+  @property
+  def gathered_whole(self) -> tuple["WholeLeaf", ...]:
+    """The sharded params stage 3 gathers whole, at once, before the loss (`step.materialize`:
+    `stage3.gather_leaf`), not one layer at a time: every sharded leaf without a 'layers'
+    logical axis, largest first. Empty below stage 3 or with one shard (nothing is
+    gathered). `whole_gather_line` says it in one line, `whole_gather_warning` warns."""
+    if not self.behaviour.shards_params:
+      return ()
+    is_dim = lambda d: d is None
+    paths = jax.tree_util.tree_flatten_with_path(self.params)[0]
+    dims = jax.tree.leaves(self.param_dims, is_leaf=is_dim)
+    layered = jax.tree.leaves(self.per_layer)
+    names = self._names()
+    stacks: dict[tuple, set[tuple[int, int]]] = {}  # Module path -> (layers dim, layers).
+    for (path, x), n, by_layer in zip(paths, names, layered):
+      if by_layer:
+        d = n.index(LAYERS_AXIS)
+        for k in range(1, len(path)):
+          stacks.setdefault(path[:k], set()).add((d, x.shape[d]))
+    whole = []
+    for (path, x), d, by_layer in zip(paths, dims, layered):
+      if d is None or by_layer:
+        continue
+      beside = set().union(*(stacks.get(path[:k], set()) for k in range(1, len(path))))
+      whole.append(WholeLeaf(
+          jax.tree_util.keystr(path, simple=True, separator="/"), tuple(x.shape),
+          jnp.dtype(x.dtype).name, math.prod(x.shape) * jnp.dtype(x.dtype).itemsize,
+          any(i < len(x.shape) and x.shape[i] == k for i, k in beside)))
+    return tuple(sorted(whole, key=lambda w: -w.bytes))
+
+  @property
+  def per_layer_bytes(self) -> int:
+    """Bytes of one layer of the layer stacks stage 3 gathers a layer at a time (each
+    stack's bytes over its layer count), in the param dtype; 0 below stage 3."""
+    if not self.behaviour.shards_params:
+      return 0
+    total = 0
+    for x, d, by_layer, n in zip(jax.tree.leaves(self.params),
+                                 jax.tree.leaves(self.param_dims, is_leaf=lambda d: d is None),
+                                 jax.tree.leaves(self.per_layer), self._names()):
+      if by_layer and d is not None:
+        total += math.prod(x.shape) * jnp.dtype(x.dtype).itemsize // x.shape[
+            n.index(LAYERS_AXIS)]
+    return total
+
+  def _names(self) -> list:
+    """Per parameter leaf, in the params' order: its logical axis names (or None)."""
+    if self.logical_axes is None:
+      return [None] * len(jax.tree.leaves(self.params))
+    return jax.tree.leaves(self.logical_axes, is_leaf=_is_names)
+
+
+class WholeLeaf(NamedTuple):
+  """A sharded param that stage 3 gathers whole (`ZeroPlan.gathered_whole`).
+
+  Attributes:
+    path: its key path, "/"-joined ("layers/LayerNorm_0/scale").
+    shape: its whole shape.
+    dtype: the param dtype's name.
+    bytes: its whole size in the param dtype: what the gather holds at once.
+    in_stack: it looks like a layer stack's leaf that lacks the 'layers' axis: it sits in
+      a module beside leaves that have a 'layers' axis, and has their layer count along
+      their 'layers' dimension (an unannotated LayerNorm scale, bias or kernel inside an
+      `nn.scan` block: flax adds the axis only to params with partitioning metadata).
+  """
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  bytes: int
+  in_stack: bool
+
+
+class WholeGatherWarning(UserWarning):
+  """`make_plan`'s warning that stage 3 gathers params whole, not per layer (filter it with
+  `warnings.filterwarnings("ignore", category=zerojax.zero.WholeGatherWarning)`)."""
+
+
+# How a scanned block's params get the 'layers' axis, in the words of a linen or NNX user.
+SCAN_FIX = ("nn.scan(..., metadata_params={nn.PARTITION_NAME: 'layers'}) gives it to the "
+            "params made with nn.with_logical_partitioning (NNX: nnx.vmap / nnx.scan with "
+            "transform_metadata={nnx.PARTITION_NAME: 'layers'} over nnx.with_partitioning), "
+            "and the scan body calls zerojax.gather on its layer's params")
+
+
+def _leaves(n: int) -> str:
+  return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
+def _listed(leaves: tuple[WholeLeaf, ...], most: int = 3) -> str:
+  shown = ", ".join(f"{w.path} {list(w.shape)} {fmt_bytes(w.bytes)}" for w in leaves[:most])
+  return shown + (f" and {len(leaves) - most} more" if len(leaves) > most else "")
+
+
+def _has_stacks(plan: ZeroPlan) -> bool:
+  return any(jax.tree.leaves(plan.per_layer))
+
+
+def whole_gather_line(plan: ZeroPlan) -> str | None:
+  """One line on what stage 3 gathers whole and per layer; None below stage 3 (or with
+  one shard: nothing is gathered). For a start report (`zerojax.train`)."""
+  if not plan.behaviour.shards_params:
+    return None
+  whole = plan.gathered_whole
+  per_layer = (f"one layer of the layer stacks: {fmt_bytes(plan.per_layer_bytes)}"
+               if _has_stacks(plan) else "no leaf has a 'layers' axis")
+  if not whole:
+    return f"stage 3 gathers nothing whole; {per_layer}"
+  dtypes = "/".join(sorted({w.dtype for w in whole}))
+  return (f"stage 3 gathers {_leaves(len(whole))} whole before the loss, "
+          f"{fmt_bytes(sum(w.bytes for w in whole))} in {dtypes} ({_listed(whole)}); "
+          f"{per_layer}")
+
+
+def whole_gather_warning(plan: ZeroPlan) -> str | None:
+  """The one-line warning `make_plan` gives on what stage 3 gathers whole; None if
+  nothing calls for one.
+
+  It warns, whatever the bytes, for what looks like a mistake, and not for what stage 3
+  gathers whole by design:
+
+  - leaves of a layer stack without the 'layers' axis (`WholeLeaf.in_stack`: flax's
+    `nn.scan` adds it only to params with partitioning metadata, so a default-init
+    LayerNorm scale or Dense bias in the scanned block keeps its leading layer
+    dimension and no name): every layer of them is gathered at once, beside one layer
+    of the rest. Norms and biases are small against a layer, an unannotated kernel is
+    not; the message gives both sizes, and the fix costs one init argument;
+  - a model with sharded params and no 'layers' axis at all: the whole model is
+    gathered before the loss, so the step's peak holds every param whole and stage 3
+    saves param memory only between steps.
+
+  A model that has layer stacks and gathers other leaves whole (an embedding, a head, a
+  final norm: outside any stack) gets no warning: each is used whole, and that is how
+  zerojax's own Llama runs (its 'vocab' / 'embed' leaves); `ZeroPlan.gathered_whole`
+  and `whole_gather_line` list them with their bytes.
+  """
+  whole = plan.gathered_whole
+  if not whole:
+    return None
+  stray = tuple(w for w in whole if w.in_stack)
+  if stray:
+    return (f"stage 3 gathers {_leaves(len(stray))} of a layer stack whole, every layer at "
+            f"once: {fmt_bytes(sum(w.bytes for w in stray))} ({_listed(stray)}), beside "
+            f"{fmt_bytes(plan.per_layer_bytes)} a layer for the rest of the stack. They have "
+            f"no 'layers' logical axis: {SCAN_FIX}; give them inits made by "
+            "nn.with_logical_partitioning too (Dense's bias_init, LayerNorm's scale_init and "
+            "bias_init), or raise make_plan's min_shard_size above their size (kept "
+            "whole on every device, never gathered)")
+  if not _has_stacks(plan):
+    return (f"stage 3 gathers the whole model at once before the loss: {_leaves(len(whole))}, "
+            f"{fmt_bytes(sum(w.bytes for w in whole))} ({_listed(whole)}), no leaf having "
+            "a 'layers' logical axis: the step's peak holds every param whole, and stage 3 "
+            f"saves param memory only between steps. To gather a layer at a time: {SCAN_FIX}")
+  return None
+
+
+class BatchChecked:
+  """A jitted step (`jax.jit`'s function) whose batch, its second argument, is checked
+  against the plan (`ZeroPlan.check_batch`) before `jax.jit` sees it: when called, and in
+  `lower`, `trace` and `eval_shape`. Everything else is the jitted function's."""
+
+  def __init__(self, fn: Callable, plan: ZeroPlan, microbatches: int):
+    functools.update_wrapper(self, fn)
+    self._fn, self._plan, self._microbatches = fn, plan, microbatches
+
+  def _check(self, args: tuple, kwargs: dict) -> None:
+    batch = args[1] if len(args) > 1 else kwargs.get("batch")
+    if batch is not None:
+      self._plan.check_batch(batch, self._microbatches)
+
+  def __call__(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.eval_shape(*args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._fn, name)
+
+
+def checks_batch(make: Callable) -> Callable:
+  """Decorates a step builder, `make(plan, ..., microbatches=...)` -> jitted `step(x,
+  batch)`, so that its step checks the batch before `jax.jit` does (`BatchChecked`)."""
+  @functools.wraps(make)
+  def build(*args, **kwargs):
+    plan = args[0] if args else kwargs["plan"]
+    return BatchChecked(make(*args, **kwargs), plan, kwargs.get("microbatches", 1))
+  return build
+
+
+def _is_names(x: Any) -> bool:
+  """A leaf of a logical-axes tree: None or a tuple of axis names."""
+  return x is None or (isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
+
+
 def _mirrors(tree: PyTree, params: PyTree) -> bool:
   """True if `tree` has the structure and leaf shapes of `params` (a moment, say)."""
   try:
@@ -411,10 +642,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
     raise ValueError(f"sequence axes {sequence_axes} are not data axes {data_axes}")
   if logical_axes is None:
     logical_axes = jax.tree.map(lambda _: None, params)
-  is_names = lambda x: x is None or (isinstance(x, tuple) and all(
-      n is None or isinstance(n, str) for n in x))
   try:
-    names = jax.tree.map(lambda n, _: n, logical_axes, params, is_leaf=is_names)
+    names = jax.tree.map(lambda n, _: n, logical_axes, params, is_leaf=_is_names)
   except ValueError as e:
     raise ValueError(f"logical_axes does not match the params tree: {e}") from None
   has_experts = EXPERT_AXIS in mesh.axis_names
@@ -430,15 +659,15 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
                        f"mesh's {mesh.shape[EXPERT_AXIS]} expert devices do not divide")
     return d
 
-  expert_dims = jax.tree.map(expert_dim, params, names, is_leaf=is_names)
+  expert_dims = jax.tree.map(expert_dim, params, names, is_leaf=_is_names)
 
   def leaf_dim(x, n, e):
     shards = math.prod(mesh.shape[a] for a in leaf_axes(mesh, shard_axes, e))
     return shard_dim(tuple(x.shape), n, shards, min_shard_size)
 
-  param_dims = jax.tree.map(leaf_dim, params, names, expert_dims, is_leaf=is_names)
+  param_dims = jax.tree.map(leaf_dim, params, names, expert_dims, is_leaf=_is_names)
   per_layer = jax.tree.map(lambda n, _: bool(n and LAYERS_AXIS in n), names, params,
-                           is_leaf=is_names)
+                           is_leaf=_is_names)
   shards = math.prod(mesh.shape[a] for a in shard_axes)
   if opt_state is None:
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else ()
@@ -457,13 +686,16 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
 
   opt_dims = jax.tree.map(opt_dim, opt_state, is_leaf=mirrors)
   abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-  return ZeroPlan(mesh=mesh, stage=stage, shard_axes=tuple(shard_axes),
+  plan = ZeroPlan(mesh=mesh, stage=stage, shard_axes=tuple(shard_axes),
                   data_axes=data_axes, params=abstract(params),
                   opt_state=abstract(opt_state), param_dims=param_dims,
                   per_layer=per_layer, opt_dims=opt_dims, offload=offload,
                   sequence_axes=tuple(sequence_axes), param_offload=param_offload,
-                  expert_dims=expert_dims,
+                  expert_dims=expert_dims, logical_axes=names,
                   model_state=None if model_state is None else abstract(model_state))
+  if warning := whole_gather_warning(plan):
+    warnings.warn(warning, WholeGatherWarning, stacklevel=2)
+  return plan
 
 
 def local_shape(shape: tuple[int, ...], dim: int | None, num_shards: int) -> tuple[int, ...]:

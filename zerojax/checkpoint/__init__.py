@@ -27,7 +27,9 @@ config, and a checksum, shape and dtype per state leaf).
   (`zerojax.abstract_state(plan)`): another mesh, device count or ZeRO stage.
 - **Restore after an upgrade.** Leaves are named by their keys, never by class names,
   and a checkpoint of an earlier format restores through `layout.MIGRATIONS`; one that
-  cannot be restored is one line naming both zerojax versions and what differs.
+  cannot be restored is one line naming both zerojax versions and what differs. One of
+  this zerojax restored onto another train state (another optimizer, another model) is
+  one line naming the fields and leaves that differ and how to restore it.
 - **A failed save is an error, at once.** orbax writes in a background thread and
   raises its error only at the next save; `maybe_save` (called every step) checks the
   thread and raises `SaveError`, naming the cause (disk full, permission) and the last
@@ -322,7 +324,8 @@ class Checkpointer:
 
     Raises:
       CheckpointError: the config or the target's leaves do not match the checkpoint
-        (one line naming both zerojax versions, for the leaves).
+        (one line naming the leaves that differ and the fix; both zerojax versions if
+        another wrote it), before any array is read; nothing is moved.
       DamagedCheckpointError: missing, truncated or undecodable files, a state tree
         that is not the meta's, or failed checksums.
       RestoreError: anything else failed (out of memory, an I/O error, a bug): the

@@ -131,9 +131,24 @@ def _first(keys: list[str]) -> str:
   return f"{len(keys)} (first: {keys[0]})" if len(keys) > 1 else keys[0]
 
 
+def _leaves(keys: list[str], most: int = 3) -> str:
+  """'2 leaves (a, b)', '5 leaves (a, b, c and 2 more)'."""
+  shown = ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+  return f"{len(keys)} {'leaf' if len(keys) == 1 else 'leaves'} ({shown})"
+
+
+# A train state's top-level fields, as messages name them.
+_FIELDS = {"params": "the params", "opt_state": "the optimizer state"}
+
+
 def mismatch(saved: Saved, wanted: Mapping[str, Any], where: str) -> str | None:
   """One line on how `saved` differs from the leaves `wanted` ({name: array or
-  ShapeDtypeStruct}), naming both zerojax versions; None if it has every leaf."""
+  ShapeDtypeStruct}), and the fix; None if it has every leaf.
+
+  Written by another zerojax, the line names both versions: no migration maps the
+  leaves. Written by this one, the target is another train state than the saved one
+  (`_other_state`).
+  """
   lacks = [k for k in wanted if k not in saved.leaves]
   extra = [k for k in saved.leaves if k not in wanted]
   other = [f"{k}: checkpoint {list(saved.leaves[k].shape)} {saved.leaves[k].dtype}, here "
@@ -141,15 +156,43 @@ def mismatch(saved: Saved, wanted: Mapping[str, Any], where: str) -> str | None:
                saved.leaves[k].shape, saved.leaves[k].dtype) != (tuple(x.shape), str(x.dtype))]
   if not (lacks or extra or other):
     return None
+  if saved.version == version():
+    return _other_state(where, lacks, extra, other)
   parts = ([f"leaves it lacks: {_first(lacks)}"] if lacks else []) + (
       [f"leaves this state lacks: {_first(extra)}"] if extra else []) + (
       [f"leaves of another shape or dtype: {_first(other)}"] if other else [])
-  if saved.version == version():
-    fix = "the run's model or optimizer is not the checkpoint's: start in a new workdir"
-  else:
-    fix = f"no migration maps them: resume with zerojax {saved.version}"
   return (f"{where} (zerojax {saved.version}, checkpoint format {saved.written}) cannot be "
-          f"restored by zerojax {version()} (format {FORMAT}): {'; '.join(parts)}; {fix}")
+          f"restored by zerojax {version()} (format {FORMAT}): {'; '.join(parts)}; no "
+          f"migration maps them: resume with zerojax {saved.version}")
+
+
+def _other_state(where: str, lacks: list[str], extra: list[str], other: list[str]) -> str:
+  """`mismatch`'s line for a checkpoint of this zerojax: which fields of the train state
+  differ (the params: another model or param dtype; the optimizer state: another
+  optimizer), their leaves, and how a library user restores it (the config-level check,
+  `check_compatible`, runs first where there is a config: train.py)."""
+  field = lambda k: k.split("/", 1)[0]  # noqa: E731
+  fields = sorted({field(k.split(":", 1)[0]) for k in lacks + extra + other},
+                  key=lambda f: (f not in _FIELDS, f))
+  parts = []
+  for f in fields:
+    only_saved, only_here, reshaped = ([k for k in keys if field(k) == f]
+                                       for keys in (extra, lacks, other))
+    pieces = ([f"{_leaves(only_saved)} only in the checkpoint"] if only_saved else []) + (
+        [f"{_leaves(only_here)} only in the target"] if only_here else []) + (
+        [f"leaves of another shape or dtype: {_leaves(reshaped, 2)}"] if reshaped else [])
+    parts.append(f"{_FIELDS.get(f, f)} differ{'' if f == 'params' else 's'}: "
+                 + ", ".join(pieces))
+  if fields == ["opt_state"]:
+    fix = ("it was saved with another optimizer (or chain of optax transforms): restore it "
+           "into a plan made with that one (make_plan(mesh, stage, params, tx)); to go on "
+           "with another, start the new optimizer's state from the restored params: "
+           "zerojax.init_state(plan, init_fn, tx, rng, params=state.params)")
+  else:
+    fix = ("restore it into a plan made from the model (param tree, shapes and dtype) and "
+           "the optimizer it was saved with")
+  return (f"{where} holds another train state than the target (both zerojax {version()}): "
+          f"{'; '.join(parts)}; {fix}")
 
 
 def config(saved: Saved, where: str) -> ml_collections.ConfigDict:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-from flax import nnx
+from flax import errors as flax_errors, nnx
 
 PyTree = Any
 
@@ -76,7 +76,11 @@ def from_nnx(create: Callable[..., nnx.Module],
       here and inside `init`'s jit, so no whole copy of the params is ever made.
       Variables are created without NNX's eager sharding: the plan decides the layout.
     loss_fn: `(module, batch, rng) -> loss` or `(loss, aux_dict)`; the rng is the
-      step's (e.g. `nnx.Rngs(dropout=rng)` for dropout).
+      step's: pass it to each call that draws random numbers (`module(x,
+      rngs=nnx.Rngs(dropout=rng))` for dropout). An `nnx.Rngs` stored in the module
+      cannot draw inside the jitted step: its count would have to advance across steps
+      the step does not carry, so `loss` says so in one line (a `ValueError`) instead of
+      flax's `TraceContextError`.
 
   Returns:
     The `NnxModel`.
@@ -108,7 +112,16 @@ def from_nnx(create: Callable[..., nnx.Module],
     return nnx.merge(graphdef, state, rest)
 
   def loss(params: PyTree, batch: PyTree, rng: jax.Array) -> Any:
-    return loss_fn(module(params), batch, rng)
+    try:
+      return loss_fn(module(params), batch, rng)
+    except flax_errors.TraceContextError as e:
+      if "Rng" not in str(e):  # The only state besides params the module may hold.
+        raise
+      raise ValueError(
+          "the NNX module draws random numbers from an nnx.Rngs stored in it, which cannot "
+          f"advance inside zerojax's jitted step (flax: {str(e).split(' (')[0]}): pass the "
+          "step's rng to each call instead, e.g. module(x, rngs=nnx.Rngs(dropout=rng)) in "
+          "loss_fn (nnx.Dropout takes rngs= when called)") from None
 
   return NnxModel(
       init=lambda rng: nnx.to_pure_dict(build(rng)[1]),
