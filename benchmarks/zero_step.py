@@ -69,10 +69,12 @@ class Recipe(NamedTuple):
   opt_bytes: int
 
 
-# optax's adamw keeps both moments in the param dtype: bf16 here (K = 4).
-TIMED = "optax.adamw, bf16 params (timed)"
+# Both moments in bf16 (K = 4), declared: zerojax refuses optax's own adamw on bf16
+# params, whose moments would follow the params' dtype undeclared (b2 = 0.999 never
+# decays in bf16). The hand-written baseline runs the same transform.
+TIMED = "bf16 nearest, bf16 state (timed)"
 RECIPES = {
-    TIMED: Recipe(BF16, lambda: optax.adamw(1e-3), 2, 4),
+    TIMED: Recipe(BF16, lambda: optim.adamw(1e-3, b2=0.95, state_dtype=BF16), 2, 4),
     "fp32 (AdamW, fp32 state)": Recipe(
         F32, lambda: optim.adamw(1e-3, b2=0.95), 4, 8),
     "bf16 + fp32 master, fp32 state (DeepSpeed bf16)": Recipe(
@@ -81,8 +83,6 @@ RECIPES = {
     "bf16 + Kahan, bf16 state": Recipe(
         BF16, lambda: optim.adamw(1e-3, b2=0.95, state_dtype=BF16, update_rule="kahan"),
         2, 6),
-    "bf16 nearest, bf16 state": Recipe(
-        BF16, lambda: optim.adamw(1e-3, b2=0.95, state_dtype=BF16), 2, 4),
     "Lion + Kahan, bf16 state": Recipe(
         BF16, lambda: optim.lion(1e-4, state_dtype=BF16, update_rule="kahan"), 2, 4),
 }

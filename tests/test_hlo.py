@@ -95,7 +95,7 @@ def test_stages_1_2_gather_params_in_bf16_and_reduce_grads_in_f32(stage):
   """As partitioned: whole-param all-gathers in the param dtype, gradients in fp32."""
   model = MlpLM(vocab_size=64, d_model=64, d_ff=128, n_layers=3, context=4,
                 param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
-  tx = optax.adamw(1e-3)
+  tx = zerojax.with_update_rule(optax.adamw(1e-3), "nearest")
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
   plan = zerojax.make_plan(zerojax.make_mesh(1, 8), stage, shapes, tx,
                            logical_axes=model.logical_axes(), min_shard_size=0)

@@ -106,11 +106,22 @@ def test_nnx_equals_linen_at_every_stage(example):
     assert losses["nnx"][-1] < losses["nnx"][0]
 
 
-def test_state_besides_params_is_refused():
+def test_state_besides_params_and_batch_stats_is_refused():
   from flax import nnx
-  create = lambda rngs: nnx.BatchNorm(8, rngs=rngs)
-  with pytest.raises(ValueError, match="BatchStat"):
-    zerojax.from_nnx(create, lambda module, batch, rng: 0.0)
+
+  class Counter(nnx.Variable):  # Mutable state the step would not carry.
+    pass
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.norm = nnx.BatchNorm(8, rngs=rngs)  # Carried: make_plan(model_state=...).
+      self.calls = Counter(jax.numpy.zeros(()))
+
+  model = zerojax.from_nnx(lambda rngs: nnx.BatchNorm(8, rngs=rngs),
+                           lambda module, batch, rng: 0.0)
+  assert set(model.model_state) == {"mean", "var"}
+  with pytest.raises(ValueError, match=r"\['Counter'\] variables besides nnx.Param"):
+    zerojax.from_nnx(Net, lambda module, batch, rng: 0.0)
 
 
 def test_a_key_stored_in_the_module_is_one_line_naming_the_fix():

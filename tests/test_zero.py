@@ -367,11 +367,11 @@ def lower(model, stage, mesh_shape, tx, batch=16, seq=16, **kw):
   return plan, step.lower(zerojax.abstract_state(plan), abstract_batch)
 
 
-# bf16 params and compute, AdamW with an fp32 first moment: the step whose compiled
+# bf16 params and compute, optax's AdamW in fp32 (`with_update_rule`): the step whose compiled
 # programs the argument-bytes, reduction-dtype and collective tests read, and the bf16
 # agreement test runs (one compile per stage and mesh, not one per test).
 BF16_SMALL = dict(SMALL, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
-SMALL_TX = optax.adamw(1e-3, mu_dtype=jnp.float32)
+SMALL_TX = zerojax.with_update_rule(optax.adamw(1e-3), "nearest")
 
 
 @functools.cache
@@ -403,7 +403,8 @@ BIG = dict(vocab_size=256, d_model=256, d_ff=1024, n_layers=8, context=4,
 def compiled_big(stage, remat="dots"):
   """(plan, compiled step) of the 8-layer bf16 model on 1 x 8, batch 8: read-only, so the
   tests that read it share one compile."""
-  plan, lowered = lower(MlpLM(**BIG, remat=remat), stage, (1, 8), optax.adamw(1e-3),
+  plan, lowered = lower(MlpLM(**BIG, remat=remat), stage, (1, 8),
+                        zerojax.with_update_rule(optax.adamw(1e-3), "nearest"),
                         batch=8, seq=16)
   return plan, lowered.compile()
 

@@ -38,15 +38,25 @@ class NnxModel(NamedTuple):
     params: their shapes and dtypes (`jax.ShapeDtypeStruct`s), for `make_plan`.
     logical_axes: per param, its axis names from the sharding metadata (None for a
       param without it), for `make_plan(logical_axes=...)`.
-    loss: `(params, batch, rng) -> loss`, for `make_train_step` / `make_eval_step`.
-    module: `params -> module`, the NNX module holding these params (e.g. the trained
-      `state.params`, to run or save the model after training).
+    loss: `(params, batch, rng) -> loss`, for `make_train_step` / `make_eval_step`;
+      with model state `(params, batch, rng, model_state) -> (loss, aux,
+      new_model_state)`.
+    module: `(params[, model_state]) -> module`, the NNX module holding these params
+      (e.g. the trained `state.params`, to run or save the model after training).
+    model_state: the shapes of the module's `nnx.BatchStat` values (BatchNorm's running
+      statistics) as a nested dict, for `make_plan(model_state=...)`; None without any.
+      Then `init` returns `(params, model_state)`.
+    eval_loss: `loss` on the module switched to inference (`module.eval()`: BatchNorm
+      reads its running statistics, dropout is off), returning no new state: for
+      `make_eval_step`.
   """
-  init: Callable[[jax.Array], PyTree]
+  init: Callable[[jax.Array], Any]
   params: PyTree
   logical_axes: PyTree
-  loss: Callable[[PyTree, PyTree, jax.Array], Any]
-  module: Callable[[PyTree], nnx.Module]
+  loss: Callable[..., Any]
+  module: Callable[..., nnx.Module]
+  model_state: PyTree = None
+  eval_loss: Callable[..., Any] | None = None
 
 
 def _is_variable(x: Any) -> bool:
@@ -86,45 +96,71 @@ def from_nnx(create: Callable[..., nnx.Module],
     The `NnxModel`.
 
   Raises:
-    ValueError: if the module holds variables other than `nnx.Param` and RNG state
-      (batch statistics, caches): the step trains params only and would drop their
-      updates.
+    ValueError: if the module holds variables other than `nnx.Param`, `nnx.BatchStat`
+      and RNG state (caches, other mutable state): the step would drop their updates.
   """
   def build(key):
     with nnx.use_eager_sharding(False):
-      return nnx.split(create(rngs=nnx.Rngs(key)), nnx.Param, ...)
+      return nnx.split(create(rngs=nnx.Rngs(key)), nnx.Param, nnx.BatchStat, ...)
 
-  graphdef, abstract, rest = nnx.eval_shape(lambda: build(jax.random.key(0)))
+  graphdef, abstract, stats, rest = nnx.eval_shape(lambda: build(jax.random.key(0)))
   others = {type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=_is_variable)
             if not isinstance(v, nnx.RngState)}
   if others:
     raise ValueError(
-        f"the module holds {sorted(others)} variables besides nnx.Param: zerojax trains "
-        "params only and would drop their updates; keep such state outside the module")
+        f"the module holds {sorted(others)} variables besides nnx.Param, nnx.BatchStat and "
+        "RNG state: the step carries params and batch statistics only and would drop their "
+        "updates; keep such state outside the module")
+  stateful = bool(jax.tree.leaves(stats))
   # The RNG state the module keeps (its Rngs' keys and counts) is made for real, but
   # only it: under jit the params it does not return are never computed.
-  rest = jax.jit(lambda: build(jax.random.key(0))[2])()
+  rest = jax.jit(lambda: build(jax.random.key(0))[3])()
 
-  def module(params: PyTree) -> nnx.Module:
+  def fill(abstract_state: nnx.State, values: PyTree) -> nnx.State:
     # A fresh State per call: `replace_by_pure_dict` writes into the one it is given.
-    state = jax.tree.map(lambda v: v, abstract, is_leaf=_is_variable)
-    nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(graphdef, state, rest)
+    state = jax.tree.map(lambda v: v, abstract_state, is_leaf=_is_variable)
+    nnx.replace_by_pure_dict(state, values)
+    return state
 
-  def loss(params: PyTree, batch: PyTree, rng: jax.Array) -> Any:
-    try:
-      return loss_fn(module(params), batch, rng)
-    except flax_errors.TraceContextError as e:
-      if "Rng" not in str(e):  # The only state besides params the module may hold.
-        raise
-      raise ValueError(
-          "the NNX module draws random numbers from an nnx.Rngs stored in it, which cannot "
-          f"advance inside zerojax's jitted step (flax: {str(e).split(' (')[0]}): pass the "
-          "step's rng to each call instead, e.g. module(x, rngs=nnx.Rngs(dropout=rng)) in "
-          "loss_fn (nnx.Dropout takes rngs= when called)") from None
+  def module(params: PyTree, model_state: PyTree = None) -> nnx.Module:
+    if stateful and model_state is None:
+      raise ValueError("the module has batch statistics: module(params, model_state)")
+    filled = fill(stats, model_state) if stateful else stats
+    return nnx.merge(graphdef, fill(abstract, params), filled, rest)
+
+  def loss(params: PyTree, batch: PyTree, rng: jax.Array, *model_state) -> Any:
+    m = module(params, *model_state)
+    out = _run(loss_fn, m, batch, rng)
+    if not stateful:
+      return out
+    loss, aux = out if isinstance(out, tuple) else (out, {})
+    return loss, aux, nnx.to_pure_dict(nnx.state(m, nnx.BatchStat))
+
+  def eval_loss(params: PyTree, batch: PyTree, rng: jax.Array, *model_state) -> Any:
+    m = module(params, *model_state)
+    m.eval()  # BatchNorm's running statistics, no dropout.
+    return _run(loss_fn, m, batch, rng)
 
   return NnxModel(
-      init=lambda rng: nnx.to_pure_dict(build(rng)[1]),
+      init=lambda rng: (lambda _, p, s, __: (nnx.to_pure_dict(p), nnx.to_pure_dict(s))
+                        if stateful else nnx.to_pure_dict(p))(*build(rng)),
       params=nnx.to_pure_dict(abstract),
       logical_axes=nnx.to_pure_dict(abstract, axis_names),
-      loss=loss, module=module)
+      loss=loss, module=module,
+      model_state=nnx.to_pure_dict(stats) if stateful else None, eval_loss=eval_loss)
+
+
+def _run(loss_fn: Callable, module: nnx.Module, batch: PyTree, rng: jax.Array) -> Any:
+  """`loss_fn(module, batch, rng)`, with flax's error for a stored `nnx.Rngs` made one
+  line that names the fix."""
+  try:
+    return loss_fn(module, batch, rng)
+  except flax_errors.TraceContextError as e:
+    if "Rng" not in str(e):  # RNG state is what a stored nnx.Rngs advances.
+      raise
+    raise ValueError(
+        "the NNX module draws random numbers from an nnx.Rngs stored in it, which cannot "
+        f"advance inside zerojax's jitted step (flax: {str(e).split(' (')[0]}): pass the "
+        "step's rng to each call instead, e.g. module(x, rngs=nnx.Rngs(dropout=rng)) in "
+        "loss_fn (nnx.Dropout takes rngs= when called)") from None
+
