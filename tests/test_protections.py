@@ -5,7 +5,9 @@
 - the peer watch refuses a well-formed hello whose proof is wrong (real sockets on
   localhost, process 0's `_serve` in a thread);
 - the hang watchdog's default timeout (train.step_timeout=0) is computed from the first
-  steps and fires on a stalled one.
+  steps and fires on a stalled one;
+- the XLA:CPU dispatch guard: two train steps alternated without blocking on 8 fake CPU
+  devices abort without it (a child process), and run to the end with it.
 """
 
 import contextlib
@@ -20,12 +22,15 @@ import threading
 import time
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import zerojax.train
 from zerojax.config import ConfigError
 from zerojax.run import peers, watchdog
-from zerojax.runtime import exits
+from zerojax.runtime import dispatch, exits, platform
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A 1-layer model small enough that this process compiles its step in seconds.
@@ -262,3 +267,65 @@ def test_the_default_watchdog_timeout_fires_on_a_stalled_step():
   assert err.rstrip().endswith("error: process 0 is hung (step 7 (data, dispatch, or waiting "
                                "on the device)): the run stops; the last committed checkpoint "
                                "resumes"), err[-3000:]
+
+
+def test_the_dispatch_guard_bounds_the_queue_on_xla_cpu_and_is_the_jitted_function_otherwise(
+    monkeypatch):
+  """`dispatch.guarded`: on these 8 CPU devices each call records its smallest output; a
+  function called again waits for its own calls but the last, another function for all
+  of them; donated arguments and outputs deleted since are fine; a trace inside another
+  function records nothing; `lower`, `trace`, `eval_shape`, `clear_cache` are the jitted
+  function's; for a GPU target, or with ZEROJAX_CPU_DISPATCH_GUARD=0, it only calls."""
+  mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+  jitted = jax.jit(lambda x: (x * 2, jnp.sum(x)), donate_argnums=0)
+  step, other = dispatch.guarded(jitted), dispatch.guarded(jax.jit(lambda x: x + 1))
+  assert dispatch.guarded(step) is step and step.__name__ == jitted.__name__
+  x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("x")))
+  assert step.lower(x).as_text() == jitted.lower(x).as_text()
+  assert step.trace(x).jaxpr == jitted.trace(x).jaxpr
+  assert step.eval_shape(x)[0].shape == (64,)
+  dispatch.wait_until()
+  assert dispatch.enabled() and dispatch.SAME_IN_FLIGHT == 2
+  y, first = step(x)
+  assert x.is_deleted() and list(dispatch._in_flight) == [(step, [first])]  # Not y.
+  z, second = step(y)  # Back to back: no wait, two in flight.
+  assert y.is_deleted() and [w for _, w in dispatch._in_flight] == [[first], [second]]
+  z, third = step(z)  # Waits for the first.
+  assert [w for _, w in dispatch._in_flight] == [[second], [third]]
+  out = other(z)  # Waits for both.
+  assert [f for f, _ in dispatch._in_flight] == [other] and third.is_ready()
+  assert float(out[1]) == 9.0
+  (_, (witness,)), = dispatch._in_flight
+  witness.delete()  # As if donated to a function that is not guarded: skipped.
+  dispatch.wait_until()
+  assert not dispatch._in_flight
+  jax.jit(lambda v: step(v)[0] + 1)(z)  # Traced inside another jit: tracers, not recorded.
+  assert not dispatch._in_flight
+  step.clear_cache()
+  with platform.targeting("gpu"):
+    assert not dispatch.enabled()
+  monkeypatch.setenv(dispatch.ENV, "0")
+  assert not dispatch.enabled()
+  step(jax.device_put(jnp.ones(8), NamedSharding(mesh, P("x"))))
+  assert not dispatch._in_flight
+
+
+def test_two_train_steps_alternated_without_blocking_do_not_abort_on_fake_cpu_devices():
+  """Issue 51: stage 3 and stage 2 of one linen CNN, 120 steps each, called alternately
+  without blocking on 8 fake CPU devices (benchmarks/cpu_dispatch.py's loop, in a child:
+  an abort must not end pytest). Guarded, it runs to the end; without the guard
+  (ZEROJAX_CPU_DISPATCH_GUARD=0, collectives' timeout cut to 10 s) jaxlib 0.10.2
+  deadlocks and aborts (SIGABRT: 5 of 5 runs at 120 steps, 2 of 5 at 40)."""
+  script = os.path.join(REPO, "benchmarks", "cpu_dispatch.py")
+  runs = {}
+  for guard in ("1", "0"):  # Guarded first: it compiles, the unguarded run reads the cache.
+    runs[guard] = subprocess.run(
+        [sys.executable, script, "--child", "alternate", "--steps", "120"], cwd=REPO,
+        env=dict(os.environ, ZEROJAX_CPU_DISPATCH_GUARD=guard), capture_output=True,
+        text=True, timeout=150, check=False)
+  guarded, unguarded = runs["1"], runs["0"]
+  assert guarded.returncode == 0, guarded.stderr[-3000:]
+  assert guarded.stdout.startswith("done: 120 steps of each"), guarded.stdout
+  assert unguarded.returncode == -6, (unguarded.returncode, unguarded.stdout,
+                                      unguarded.stderr[-2000:])
+  assert "Termination timeout for `all" in unguarded.stderr, unguarded.stderr[-2000:]

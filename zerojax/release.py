@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax import optim, sequence, stage3, step as step_lib, streaming, updates, zero
 from zerojax.layered import LayeredLoss
 from zerojax.optim import precision
-from zerojax.runtime import platform
+from zerojax.runtime import dispatch, platform
 
 PyTree = Any
 
@@ -443,5 +443,6 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                            loss_scale), metrics
 
   batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
-  return jax.jit(step, in_shardings=(shardings, batch_sharding),
-                 out_shardings=(shardings, None), donate_argnums=(0,) if donate else ())
+  return dispatch.guarded(jax.jit(step, in_shardings=(shardings, batch_sharding),
+                                  out_shardings=(shardings, None),
+                                  donate_argnums=(0,) if donate else ()))

@@ -58,7 +58,7 @@ from zerojax.mesh import processes_per_group
 from zerojax.models.attention import attention_kernel
 from zerojax.optim import precision
 from zerojax.run import distributed, metrics, peers, preemption, watchdog, workdir
-from zerojax.runtime import exits, units
+from zerojax.runtime import dispatch, exits, units
 from zerojax.runtime.devices import fake_cpu_devices
 
 # The quick start's config in a checkout (beside its train.py); an installed package has
@@ -199,6 +199,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
            f"{'on' if c.xla.gpu_profile else 'off'} (nothing allocated)")
   else:
     train_step, mem = compile_step(built)
+    train_step = dispatch.guarded(train_step)  # The executable, bounded as the jitted step.
     # XLA:CPU moves nothing between host and device: only a GPU's schedule has copies.
     text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax import streaming
+from zerojax.runtime import dispatch
 
 _K = 2654435761  # Odd: the weights `index * _K + 1` of any two positions differ.
 
@@ -96,7 +97,8 @@ def _leaf_checksum(x: jax.Array, sharding: Any = None) -> jax.Array:
 @functools.lru_cache(maxsize=8)
 def jitted(treedef: Any, shardings: tuple) -> Callable:
   """One jitted function: the leaves of a tree of `treedef` -> their checksums."""
-  return jax.jit(lambda leaves: [_leaf_checksum(x, s) for x, s in zip(leaves, shardings)])
+  return dispatch.guarded(jax.jit(
+      lambda leaves: [_leaf_checksum(x, s) for x, s in zip(leaves, shardings)]))
 
 
 def describe(state: Any, name: Callable[[tuple], str] = jax.tree_util.keystr

@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax import mesh as mesh_lib, stage3, step, zero
 from zerojax.generate import cache as cache_lib, sampling as sampling_lib
 from zerojax.generate.sampling import Sampling
+from zerojax.runtime import dispatch
 
 GATHER = ("auto", "whole", "layer")
 WHOLE_SHARE = 0.25  # Of a device's memory, for whole params; the rest: cache, activations.
@@ -164,9 +165,9 @@ def decoder(model: Any, plan: zero.ZeroPlan, gather: str = "auto") -> Any:
                                params, tokens, lengths, stops, max_new, seed, settings)
 
     row, one = NamedSharding(plan.mesh, rows), NamedSharding(plan.mesh, P())
-    program = jax.jit(run, static_argnums=7, in_shardings=(
+    program = dispatch.guarded(jax.jit(run, static_argnums=7, in_shardings=(
         plan.param_shardings, row, row, one, one, one, one),
-        out_shardings=(row, row, cache_lib.shardings(model.config, plan.mesh, plan.data_axes)))
+        out_shardings=(row, row, cache_lib.shardings(model.config, plan.mesh, plan.data_axes))))
     _programs[key] = (plan, program)  # The plan kept alive: its id stays its own.
   return _programs[key][1]
 

@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax.runtime import dispatch
+
 LogitsFn = Callable[[Any, jax.Array], jax.Array]  # (params, int32[B, L]) -> f32[B, L, V]
 
 
@@ -41,4 +43,5 @@ def greedy(logits_fn: LogitsFn, params: Any, tokens: jax.Array, lengths: jax.Arr
   return jax.lax.fori_loop(0, steps, body, tokens)
 
 
-greedy_jit = jax.jit(greedy, static_argnums=0, static_argnames="steps")
+# Guarded: it runs on the training mesh's params during a run's evaluation.
+greedy_jit = dispatch.guarded(jax.jit(greedy, static_argnums=0, static_argnames="steps"))
