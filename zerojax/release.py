@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax import optim, sequence, stage3, step as step_lib, streaming, updates, zero
 from zerojax.layered import LayeredLoss
-from zerojax.optim import precision
+from zerojax.optim import precision, update_rules
 from zerojax.runtime import dispatch, platform
 
 PyTree = Any
@@ -73,6 +73,7 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
   """Raises ValueError for what release cannot do (yet); returns the stack's depth."""
   if plan.stage != 3:  # One shard is fine: nothing is gathered, every leaf is psummed.
     raise ValueError(f"gradient release runs at ZeRO stage 3; this plan is stage {plan.stage}")
+  update_rules.check_state_precision(tx, plan.params)  # No silent bf16 moments.
   if plan.model_state is not None:
     raise ValueError("gradient release carries no model state (BatchNorm statistics): "
                      "use make_train_step, or a model without it")

@@ -38,8 +38,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from zerojax import sequence, stage3, streaming, updates, zero
-from zerojax.optim import precision
-from zerojax.runtime import platform
+from zerojax.optim import precision, update_rules
+from zerojax.runtime import dispatch, platform
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, jax.Array], Any]
@@ -403,6 +403,7 @@ def learning_rate_metric(state: TrainState,
   return {"learning_rate": jnp.asarray(lr, jnp.float32)}
 
 
+@zero.checks_batch
 def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                     tx: optax.GradientTransformation, *, microbatches: int = 1,
                     max_grad_norm: float = 0.0,
@@ -465,6 +466,9 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
     the gradients were not finite and the update was skipped), consecutive_skips,
     loss_scale, and the means of the loss_fn's aux values.
   """
+  # optax keeps its state in the params' dtype: a raw transform on bf16 params would
+  # hold Adam's second moment in bf16, where it stops decaying. Refused, naming the fix.
+  update_rules.check_state_precision(tx, plan.params)
   reduce_dtype, accum_dtype = jnp.dtype(reduce_dtype), jnp.dtype(accum_dtype)
   local = _local_grads(plan, loss_fn, microbatches, reduce_dtype, accum_dtype, upcast_params)
 
@@ -537,11 +541,12 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
                       loss_scale, model_state), metrics
 
   batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
-  return jax.jit(step, in_shardings=(shardings, batch_sharding),
-                 out_shardings=(shardings, None),
-                 donate_argnums=(0,) if donate else ())
+  return dispatch.guarded(jax.jit(step, in_shardings=(shardings, batch_sharding),
+                                  out_shardings=(shardings, None),
+                                  donate_argnums=(0,) if donate else ()))
 
 
+@zero.checks_batch
 def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[..., dict]:
   """Returns the jitted `eval_step(params, batch[, model_state]) -> metrics`, gathering
   as training does.
@@ -578,6 +583,6 @@ def make_eval_step(plan: zero.ZeroPlan, loss_fn: LossFn) -> Callable[..., dict]:
 
   # With model state the third argument is required (jit counts the shardings).
   model_state = (state_shardings(plan).model_state,) if stateful else ()
-  return jax.jit(evaluate, in_shardings=(
+  return dispatch.guarded(jax.jit(evaluate, in_shardings=(
       plan.param_shardings,
-      jax.sharding.NamedSharding(plan.mesh, plan.batch_spec), *model_state))
+      jax.sharding.NamedSharding(plan.mesh, plan.batch_spec), *model_state)))
