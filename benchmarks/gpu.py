@@ -21,8 +21,10 @@ measurement, an out-of-memory or a hang costs one row, not the run):
 3. **memory** of each of those steps per device: compiled (arguments + outputs - aliased +
    temporaries, and XLA's peak), the device's `peak_bytes_in_use` after the steps (on CPU:
    the process's max RSS, which includes the runtime), and the memory planner's estimate
-   (`zerojax.memory.estimate(config, devices).total`). A variant whose compiled memory
-   exceeds the device is reported as not fitting without being run.
+   (`zerojax.memory.estimate(config, devices).total`). The device's peak and bytes in use
+   are also read after each phase (compile, `init_state`, the first step, the timed
+   steps: `phases` in the results), so the phase that sets the peak is known. A variant
+   whose compiled memory exceeds the device is reported as not fitting without being run.
 4. **offload** (`--offload`, default 8b): the same step with `optimizer.offload=host`
    (remat full), so the device peak and step time sit beside the run without it: the
    proof that the device bytes fall by the optimizer state (XLA:CPU cannot show it).
@@ -121,6 +123,13 @@ def _device_info():
               jax=jax.__version__, bytes_limit=stats.get("bytes_limit"),
               peak_flops=metrics.peak_flops(d) or None,
               peak_bandwidth=next((v for k, v in PEAK_BANDWIDTH.items() if k in kind), None))
+
+
+def _memory_now() -> dict:
+  """The first device's peak and current bytes in use (None on CPU: no allocator stats)."""
+  import jax
+  stats = jax.devices()[0].memory_stats() or {}
+  return dict(peak=stats.get("peak_bytes_in_use"), in_use=stats.get("bytes_in_use"))
 
 
 def _time(fn, warmup, iters):
@@ -272,19 +281,26 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
                     f"the device has {limit / GIB:.1f} GiB")
     return out
 
+  # The device's peak is read after each phase (it only grows: the phase after which it
+  # jumps is the one that set it) beside the bytes in use then (what the phase left).
+  phases = out["phases"] = {"compile": _memory_now()}
   state = zerojax.init_state(b.plan, b.model.init, b.tx, jax.random.key(config.seed),
                              b.loss_scaling)
+  jax.block_until_ready(state)
+  phases["init"] = _memory_now()
   tokens = jax.random.randint(jax.random.key(1), (t.global_batch_size, t.seq_len + 1), 0,
                               config.model.vocab_size, jnp.int32)
   batch_data = {"tokens": jax.device_put(tokens, b.batch_sharding)}
   state, metrics = compiled(state, batch_data)  # Warm-up (first-run allocations).
   loss0 = float(metrics["loss"])
   jax.block_until_ready(state)
+  phases["first step"] = _memory_now()
   start = time.perf_counter()
   for _ in range(steps):  # Dispatched back to back, as train.py does; waited for at the end.
     state, metrics = compiled(state, batch_data)
   jax.block_until_ready((state, metrics))
   secs = (time.perf_counter() - start) / steps
+  phases["steps"] = _memory_now()
   tokens_per_s = t.global_batch_size * t.seq_len / secs
   stats = jax.devices()[0].memory_stats() or {}
   out.update(status="ok", steps=steps, step_s=secs, tokens_per_s=tokens_per_s,

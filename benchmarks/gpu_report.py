@@ -82,6 +82,17 @@ def report(res: dict) -> str:
              gib(r.get("compiled_bytes")), gib(r.get("device_peak_bytes")),
              gib(r.get("planner_bytes")), "—" if ratio is None else f"{ratio:.2f}"]
     lines.append("| " + " | ".join(cells) + " |")
+  phased = [r for r in res["mfu"] if any((p or {}).get("peak") is not None
+                                          for p in (r.get("phases") or {}).values())]
+  if phased:  # GPUs only: XLA:CPU keeps no allocator statistics.
+    names = list(phased[0]["phases"])
+    lines += ["", "Device peak / bytes in use (GiB) after each phase: the phase after which the "
+              "peak jumps set it.", "",
+              "| run | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for r in phased:
+      cells = [f"{gib(p.get('peak'))} / {gib(p.get('in_use'))}"
+               for p in (r["phases"].get(n) or {} for n in names)]
+      lines.append(f"| {r.get('name', r.get('remat'))} | " + " | ".join(cells) + " |")
   notes = {r.get("planner_note") for r in res["mfu"] if r.get("planner_note")}
   lines += [f"\nplanner: {n}" for n in sorted(notes)]
   return "\n".join(lines)
