@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from zerojax.mesh import EXPERT_AXIS, MESH_AXES
+from zerojax.runtime import dispatch
 from zerojax.runtime.units import fmt_bytes
 
 PyTree = Any
@@ -527,38 +528,19 @@ def whole_gather_warning(plan: ZeroPlan) -> str | None:
   return None
 
 
-class BatchChecked:
+class BatchChecked(dispatch.Wrapped):
   """A jitted step (`jax.jit`'s function) whose batch, its second argument, is checked
   against the plan (`ZeroPlan.check_batch`) before `jax.jit` sees it: when called, and in
   `lower`, `trace` and `eval_shape`. Everything else is the jitted function's."""
 
   def __init__(self, fn: Callable, plan: ZeroPlan, microbatches: int):
-    functools.update_wrapper(self, fn)
-    self._fn, self._plan, self._microbatches = fn, plan, microbatches
+    super().__init__(fn)
+    self._plan, self._microbatches = plan, microbatches
 
   def _check(self, args: tuple, kwargs: dict) -> None:
     batch = args[1] if len(args) > 1 else kwargs.get("batch")
     if batch is not None:
       self._plan.check_batch(batch, self._microbatches)
-
-  def __call__(self, *args, **kwargs):
-    self._check(args, kwargs)
-    return self._fn(*args, **kwargs)
-
-  def lower(self, *args, **kwargs):
-    self._check(args, kwargs)
-    return self._fn.lower(*args, **kwargs)
-
-  def trace(self, *args, **kwargs):
-    self._check(args, kwargs)
-    return self._fn.trace(*args, **kwargs)
-
-  def eval_shape(self, *args, **kwargs):
-    self._check(args, kwargs)
-    return self._fn.eval_shape(*args, **kwargs)
-
-  def __getattr__(self, name: str) -> Any:
-    return getattr(self._fn, name)
 
 
 def checks_batch(make: Callable) -> Callable:

@@ -98,20 +98,52 @@ def wait_until(in_flight: int = 0, fn: Callable | None = None) -> None:
           pass
 
 
-class Guarded:
-  """A jitted function that, called on XLA:CPU with several devices (`enabled`), first
-  waits for other guarded functions' dispatches and its own past `SAME_IN_FLIGHT` - 1;
-  elsewhere it is the jitted function.
-
-  Everything but the call (`lower`, `trace`, `eval_shape`, `clear_cache`, ...) is the
-  jitted function's own: the guard never changes what is traced, lowered or compiled.
-  """
+class Wrapped:
+  """A `jax.jit` function with a check before each use (`_check`: before a call, `lower`,
+  `trace` and `eval_shape`); everything else (`clear_cache`, ...) is the function's own,
+  so a wrapper never changes what is traced, lowered or compiled. The dispatch guard
+  (`Guarded`) and the step's batch check (`zero.BatchChecked`) are its two."""
 
   def __init__(self, fn: Callable):
     functools.update_wrapper(self, fn, updated=())  # Its name and docstring, not its state.
     self._fn = fn
 
+  def _check(self, args: tuple, kwargs: dict) -> None:
+    """Runs before each use of the function; raises to refuse it."""
+
   def __call__(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    self._check(args, kwargs)
+    return self._fn.eval_shape(*args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name == "_fn":  # Not set yet (a copy being made): no recursion.
+      raise AttributeError(name)
+    return getattr(self._fn, name)
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__.lower()}({self._fn!r})"
+
+
+class Guarded(Wrapped):
+  """A jitted function that, called on XLA:CPU with several devices (`enabled`), first
+  waits for other guarded functions' dispatches and its own past `SAME_IN_FLIGHT` - 1;
+  elsewhere it is the jitted function.
+  """
+
+  def __call__(self, *args, **kwargs):
+    self._check(args, kwargs)
     if not enabled():
       return self._fn(*args, **kwargs)
     # Held from the wait to the record: two threads' calls cannot both pass the wait.
@@ -122,14 +154,6 @@ class Guarded:
       if witnesses:  # None while traced inside another function: its outputs are tracers.
         _in_flight.append((self, witnesses))
     return out
-
-  def __getattr__(self, name: str) -> Any:
-    if name == "_fn":  # Not set yet (a copy being made): no recursion.
-      raise AttributeError(name)
-    return getattr(self._fn, name)
-
-  def __repr__(self) -> str:
-    return f"guarded({self._fn!r})"
 
 
 def guarded(fn: Callable) -> Guarded:
