@@ -29,7 +29,7 @@ layer's worth of the rest (`benchmarks/memory_70b.py` shows where it goes).
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -102,27 +102,107 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     loss_scaling: sets the initial loss scale (fp16); the default is a static 1.
     params: start from these params (e.g. `zerojax.hf.load_params`, already
       laid out by the plan) instead of `init_fn`; the optimizer state is initialised
-      from them. They are donated: the state's params reuse their buffers.
+      from them. Their device leaves are donated: the state's params reuse their
+      buffers; offloaded ones already in their dtype and layout are the state's.
 
   Returns:
-    The `TrainState`, each leaf with the sharding the plan gives it.
+    The `TrainState`, each leaf with the sharding the plan gives it. With params or
+    optimizer state offloaded, the leaves in host memory are made by `init_programs`'
+    programs one group at a time, so they are never all on the device at once.
   """
   key_data = rng if rng.dtype == jnp.uint32 else jax.random.key_data(rng)
+  host = jax.tree.leaves(host_leaves(plan))
+  out: list[Any] = [None] * len(host)
+  kept = []  # Given offloaded params already as the plan lays them out: the state's own.
+  if params is not None and plan.param_offload:
+    for i, (p, like, s, h) in enumerate(zip(
+        jax.tree.leaves(params), jax.tree.leaves(plan.params),
+        jax.tree.leaves(plan.param_shardings), jax.tree.leaves(plan.param_offloaded))):
+      if h and p.dtype == like.dtype and getattr(p, "sharding", None) == s:
+        kept.append(i)
+        out[_PARAMS_AT + i] = p
+  on_device, off = _split_params(params, plan)
+  for jitted, picks in init_programs(plan, init_fn, tx, loss_scaling, params is not None,
+                                     skip=[_PARAMS_AT + i for i in kept]):
+    # Each program ends before the next starts (an init runs once): on XLA:CPU no
+    # programs queue up (`runtime.dispatch`), and a GPU holds one group at a time.
+    for i, x in zip(picks, jax.block_until_ready(jitted(key_data, on_device, off))):
+      out[i] = x
+  return jax.tree.unflatten(jax.tree.structure(host_leaves(plan)), out)
 
-  def init(key_data, params):
+
+_PARAMS_AT = 1  # TrainState's leaves: step, then the params'.
+
+
+def host_leaves(plan: zero.ZeroPlan) -> TrainState:
+  """Per leaf of the train state: True if it lives in host memory (`state_shardings`)."""
+  no = lambda t: jax.tree.map(lambda _: False, t)  # noqa: E731
+  return TrainState(False, plan.param_offloaded, plan.opt_offloaded, False,
+                    no(jax.eval_shape(precision.init_loss_scale)), no(plan.model_state))
+
+
+def _split_params(params: PyTree | None, plan: zero.ZeroPlan) -> tuple[list, list]:
+  """Given params as (device leaves, offloaded leaves), in leaf order (None: none)."""
+  if params is None:
+    return [], []
+  host = jax.tree.leaves(plan.param_offloaded)
+  leaves = jax.tree.leaves(params)
+  return ([x for x, h in zip(leaves, host) if not h], [x for x, h in zip(leaves, host) if h])
+
+
+def init_programs(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
+                  tx: optax.GradientTransformation,
+                  loss_scaling: precision.LossScaling = precision.NO_SCALING,
+                  given: bool = False, skip: Sequence[int] = ()) -> list[tuple[Any, list[int]]]:
+  """`init_state`'s jitted programs: [(jitted(key_data, device params, offloaded
+  params), the state leaves it returns, by index in `jax.tree.leaves(state)`)].
+
+  Without offload, one program makes the whole state. With it, each group of offloaded
+  leaves (`streaming.host_groups`: up to the largest one's bytes) has its own program,
+  which computes the same init and keeps only those leaves (XLA drops the rest),
+  written to host memory; the device leaves come last, from one more program that
+  donates the given device params. Each program computes what one program for the whole
+  state did, so the state is bit for bit the same; that one program made the offloaded
+  leaves on the device before copying them out (the 8B under release with params and
+  optimizer state in host memory: 22.96 GiB for XLA's GPU compiler, the H200's measured
+  peak, beside a 13.91 GiB step; now 3.50: docs/design/gpu-targets.md). `skip`: state
+  leaves made elsewhere (given offloaded params, kept as they are).
+  """
+  treedef = jax.tree.structure(plan.params)
+  host_params = jax.tree.leaves(plan.param_offloaded)
+
+  def init(key_data, on_device, off):
     init_key, state_key = jax.random.split(jax.random.wrap_key_data(key_data))
     made, model_state = init_fn(init_key), None
     if plan.model_state is not None:
       made, model_state = _split_init(made, plan)
-    if params is None:  # Else `made` is dead code: jit never computes it.
+    if not given:  # Else `made` is dead code: jit never computes it.
       params = made
     else:
+      dev, hst = iter(on_device), iter(off)
+      params = jax.tree.unflatten(treedef, [next(hst) if h else next(dev) for h in host_params])
       params = jax.tree.map(lambda p, like: p.astype(like.dtype), params, plan.params)
     return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params),
                       jax.random.key_data(state_key),
                       precision.init_loss_scale(loss_scaling), model_state)
 
-  return jax.jit(init, out_shardings=state_shardings(plan), donate_argnums=1)(key_data, params)
+  host = jax.tree.leaves(host_leaves(plan))
+  shardings = jax.tree.leaves(state_shardings(plan))
+  if not any(host):
+    return [(jax.jit(lambda k, d, o: jax.tree.leaves(init(k, d, o)), out_shardings=shardings,
+                     donate_argnums=1), list(range(len(host))))]
+  sizes = [streaming.memory.nbytes(x) for x in jax.tree.leaves(abstract_state(plan))]
+  groups = streaming.host_groups([i for i, h in enumerate(host) if h and i not in skip], sizes)
+  groups.append([i for i, h in enumerate(host) if not h])
+
+  def program(picks, donate):
+    def made(key_data, on_device, off):
+      leaves = jax.tree.leaves(init(key_data, on_device, off))
+      return [leaves[i] for i in picks]
+    return jax.jit(made, out_shardings=[shardings[i] for i in picks],
+                   donate_argnums=(1,) if donate else ())
+
+  return [(program(g, g is groups[-1]), g) for g in groups if g]
 
 
 def _split_init(made: Any, plan: zero.ZeroPlan) -> tuple[PyTree, PyTree]:

@@ -52,6 +52,8 @@ from zerojax.streaming.layers import (
 )
 from zerojax.streaming.memory import (
     has_host_memory,
+    host_groups,
+    host_output_bytes,
     host_parameter_bytes,
     in_host_memory,
     memory_kinds,
@@ -61,6 +63,6 @@ from zerojax.streaming.memory import (
 )
 from zerojax.streaming.optimizer import streamed
 
-__all__ = ["backward_layers", "fetch", "forward_layers", "has_host_memory",
-           "host_parameter_bytes", "in_host_memory", "memory_kinds", "on_device", "outbound",
-           "read_ahead", "schedule", "streamed", "to_device", "to_host"]
+__all__ = ["backward_layers", "fetch", "forward_layers", "has_host_memory", "host_groups",
+           "host_output_bytes", "host_parameter_bytes", "in_host_memory", "memory_kinds",
+           "on_device", "outbound", "read_ahead", "schedule", "streamed", "to_device", "to_host"]

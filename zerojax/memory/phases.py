@@ -1,0 +1,128 @@
+"""Each phase of a run compiled, with its device and host bytes: the whole run's peak,
+not the step's alone (issue 52).
+
+    python -m zerojax.memory.phases --config configs/8b_1x4090.py --target h200:1
+
+A phase is one or more jitted programs a run dispatches: `init` (`init_state`'s
+programs from the model's init), `init_from` (the same from imported params:
+`zerojax.hf.load_params` itself runs no program, it writes each block straight into its
+leaf's memory kind), `train_step`, `eval_step`, `checksums` (a checkpoint save's and a
+restore's; orbax itself reads and writes each leaf in its own memory kind). A phase's
+`device` bytes are its programs' peak, run in order: each program's device arguments,
+temporaries and outputs less the aliased, above the device outputs of the programs
+before it (a phase's own inputs, the state the step reads, are counted as arguments).
+XLA's GPU compiler for a target (`spec`), else XLA:CPU on this process's devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import zerojax
+from zerojax import build, step, streaming
+from zerojax.checkpoint import checksums
+from zerojax.config import load_config
+from zerojax.gpu import compile as gpu_compile, targets
+from zerojax.runtime.devices import fake_cpu_devices
+
+GIB = 1 << 30
+
+PHASES = ("init", "init_from", "train_step", "eval_step", "checksums")
+
+
+def programs(built) -> dict[str, list[tuple[Any, tuple]]]:
+  """Per phase: its (jitted, abstract args) in the order a run dispatches them."""
+  plan, model = built.plan, built.model
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(built.mesh, P()))
+  params = jax.tree.leaves(built.abstract_state.params)
+  host = jax.tree.leaves(plan.param_offloaded)
+  on_device = [x for x, h in zip(params, host) if not h]
+  off = [x for x, h in zip(params, host) if h]
+  kept = [step._PARAMS_AT + i for i, h in enumerate(host) if h]  # load_params' own leaves.
+  leaves = jax.tree.leaves(built.abstract_state)
+  return {
+      "init": [(j, (key, [], [])) for j, _ in step.init_programs(
+          plan, model.init, built.tx, built.loss_scaling)],
+      "init_from": [(j, (key, on_device, off)) for j, _ in step.init_programs(
+          plan, model.init, built.tx, built.loss_scaling, given=True, skip=kept)],
+      "train_step": [(built.train_step, (built.abstract_state, built.abstract_batch))],
+      "eval_step": [(zerojax.make_eval_step(plan, model.loss),
+                     (built.abstract_state.params, built.abstract_batch))],
+      "checksums": [(checksums.jitted(jax.tree.structure(part), tuple(
+          x.sharding for x in part)), (part,)) for part in (
+              [leaves[i] for i in g] for g in checksums.programs(leaves))],
+  }
+
+
+def compiled(jitted, args: tuple, built, spec=None, config=None) -> dict:
+  """One program's per-device bytes: arguments (device), temporaries, outputs, aliased,
+  host_arguments, host_outputs."""
+  if spec is not None:
+    return gpu_compile.compile_jitted(jitted, args, built.mesh, spec,
+                                      gpu_compile.profile_options(config)).memory
+  executable = jitted.lower(*args).compile()
+  m = executable.memory_analysis()
+  # XLA:CPU counts host parameters and results among its arguments and outputs.
+  text = executable.as_text()
+  host_in, host_out = streaming.host_parameter_bytes(text), streaming.host_output_bytes(text)
+  return dict(arguments=m.argument_size_in_bytes - host_in, temporaries=m.temp_size_in_bytes,
+              outputs=m.output_size_in_bytes - host_out, aliased=m.alias_size_in_bytes,
+              host_arguments=host_in, host_outputs=host_out)
+
+
+def phase_memory(config, spec=None, phases=PHASES) -> dict[str, dict]:
+  """{phase: device (its peak bytes a device, see the module), host (the host arguments
+  of its largest program or the host outputs of all, a device), temporaries (its largest
+  program's), programs (how many)}, for `config` built on this process's devices
+  (validated for them), compiled for `spec` (a `TargetSpec`; None: XLA:CPU)."""
+  built = build.build(config)
+  out = {}
+  for phase, progs in programs(built).items():
+    if phase not in phases:
+      continue
+    held = peak = temps = host_in = host_out = 0
+    for jitted, args in progs:
+      m = compiled(jitted, args, built, spec, config)
+      peak = max(peak, held + m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"])
+      held += m["outputs"] - m["aliased"]
+      temps = max(temps, m["temporaries"])
+      host_in, host_out = max(host_in, m["host_arguments"]), host_out + m["host_outputs"]
+    out[phase] = dict(device=peak, host=max(host_in, host_out), temporaries=temps,
+                      programs=len(progs))
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--config", required=True)
+  ap.add_argument("--target", help="a GPU target (h200:1, rtx4090:1); none: XLA:CPU")
+  ap.add_argument("--devices", type=int, default=0, help="XLA:CPU's device count")
+  ap.add_argument("--phases", default=",".join(PHASES))
+  args, overrides = ap.parse_known_args(argv)
+  spec = targets.parse(args.target, args.devices or None) if args.target else None
+  devices = spec.devices if spec else args.devices or 1
+  if spec:
+    gpu_compile.prepare(devices)
+  else:
+    fake_cpu_devices(devices)
+  config = load_config(args.config, [o.removeprefix("--config.") for o in overrides],
+                       num_devices=devices)
+  result = phase_memory(config, spec, tuple(args.phases.split(",")))
+  print(f"{args.config} on {spec or f'{devices} XLA:CPU devices'}, GiB a device:")
+  for phase, m in result.items():
+    print(f"  {phase:<11} device {m['device'] / GIB:7.2f}  temporaries "
+          f"{m['temporaries'] / GIB:7.2f}  host {m['host'] / GIB:7.2f}  "
+          f"({m['programs']} program{'s' * (m['programs'] > 1)})", flush=True)
+  top = max(result, key=lambda p: result[p]["device"])
+  print(f"  peak: {top}, {result[top]['device'] / GIB:.2f} GiB")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
