@@ -68,12 +68,14 @@ def compiled(jitted, args: tuple, built, spec=None, config=None) -> dict:
                                       gpu_compile.profile_options(config)).memory
   executable = jitted.lower(*args).compile()
   m = executable.memory_analysis()
-  # XLA:CPU counts host parameters and results among its arguments and outputs.
-  text = executable.as_text()
-  host_in, host_out = streaming.host_parameter_bytes(text), streaming.host_output_bytes(text)
-  return dict(arguments=m.argument_size_in_bytes - host_in, temporaries=m.temp_size_in_bytes,
-              outputs=m.output_size_in_bytes - host_out, aliased=m.alias_size_in_bytes,
-              host_arguments=host_in, host_outputs=host_out)
+  host_in, host_out = m.host_argument_size_in_bytes, m.host_output_size_in_bytes
+  arguments, outputs = m.argument_size_in_bytes, m.output_size_in_bytes
+  if not (host_in or host_out):  # XLA:CPU counts host parameters and results among its
+    text = executable.as_text()  # arguments and outputs (a GPU reports them apart).
+    host_in, host_out = streaming.host_parameter_bytes(text), streaming.host_output_bytes(text)
+    arguments, outputs = arguments - host_in, outputs - host_out
+  return dict(arguments=arguments, temporaries=m.temp_size_in_bytes, outputs=outputs,
+              aliased=m.alias_size_in_bytes, host_arguments=host_in, host_outputs=host_out)
 
 
 def phase_memory(config, spec=None, phases=PHASES) -> dict[str, dict]:
