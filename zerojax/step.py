@@ -160,12 +160,13 @@ def init_programs(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
   Without offload, one program makes the whole state. With it, each group of offloaded
   leaves (`streaming.host_groups`: up to the largest one's bytes) has its own program,
   which computes the same init and keeps only those leaves (XLA drops the rest),
-  written to host memory; the device leaves come last, from one more program that
+  written to host memory (on one device, layer-stacked leaves a layer a trip:
+  `streaming.made_in_host`); the device leaves come last, from one more program that
   donates the given device params. Each program computes what one program for the whole
   state did, so the state is bit for bit the same; that one program made the offloaded
   leaves on the device before copying them out (the 8B under release with params and
   optimizer state in host memory: 22.96 GiB for XLA's GPU compiler, the H200's measured
-  peak, beside a 13.91 GiB step; now 3.50: docs/design/gpu-targets.md). `skip`: state
+  peak, beside a 13.91 GiB step; now 1.97: docs/design/gpu-targets.md). `skip`: state
   leaves made elsewhere (given offloaded params, kept as they are).
   """
   treedef = jax.tree.structure(plan.params)
@@ -192,6 +193,10 @@ def init_programs(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     return [(jax.jit(lambda k, d, o: jax.tree.leaves(init(k, d, o)), out_shardings=shardings,
                      donate_argnums=1), list(range(len(host))))]
   sizes = [streaming.memory.nbytes(x) for x in jax.tree.leaves(abstract_state(plan))]
+  no = lambda t: jax.tree.map(lambda _: False, t)  # noqa: E731
+  stacked = jax.tree.leaves(TrainState(
+      False, plan.per_layer, plan.opt_per_layer, False,
+      no(jax.eval_shape(precision.init_loss_scale)), no(plan.model_state)))
   groups = streaming.host_groups([i for i, h in enumerate(host) if h and i not in skip], sizes)
   groups.append([i for i, h in enumerate(host) if not h])
 
@@ -199,6 +204,9 @@ def init_programs(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     def made(key_data, on_device, off):
       leaves = jax.tree.leaves(init(key_data, on_device, off))
       return [leaves[i] for i in picks]
+    if not donate and plan.mesh.size == 1:  # Stacks a layer at a time where it can.
+      return jax.jit(lambda *a: streaming.made_in_host(made, [stacked[i] for i in picks], *a),
+                     out_shardings=[shardings[i] for i in picks])
     return jax.jit(made, out_shardings=[shardings[i] for i in picks],
                    donate_argnums=(1,) if donate else ())
 

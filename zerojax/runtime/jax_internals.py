@@ -29,6 +29,11 @@ Each internal, what it is used for, and what happens without it:
   must sum a gradient over the others (`models.moe.tile_matmul`). Without either: no
   axis, right inside the train step (which does not check) and an error from JAX in a
   checking `shard_map`.
+- The jaxpr of an init (`jax.make_jaxpr`, `jax.extend.core`'s `Var` / `Literal` /
+  `jaxpr_as_fun`, a `scan` eqn's params `num_consts` / `num_carry` / `jaxpr` / `length`
+  / `reverse` / `unroll`, `Primitive.get_bind_params`): `streaming.made_in_host` re-runs
+  it eqn by eqn to make stacked leaves a layer at a time in host memory. Without them:
+  the function as it is (each leaf made whole on the device, then moved).
 - `orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop`: a failed save's sibling
   writes run to their end (`checkpoint.py`). Without it: orbax's own behaviour.
 

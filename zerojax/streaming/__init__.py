@@ -43,6 +43,7 @@ what the step without streaming computes.
 """
 
 from zerojax.streaming import schedule
+from zerojax.streaming.into_host import made_in_host
 from zerojax.streaming.layers import (
     backward_layers,
     fetch,
@@ -64,5 +65,6 @@ from zerojax.streaming.memory import (
 from zerojax.streaming.optimizer import streamed
 
 __all__ = ["backward_layers", "fetch", "forward_layers", "has_host_memory", "host_groups",
-           "host_output_bytes", "host_parameter_bytes", "in_host_memory", "memory_kinds",
-           "on_device", "outbound", "read_ahead", "schedule", "streamed", "to_device", "to_host"]
+           "host_output_bytes", "host_parameter_bytes", "in_host_memory", "made_in_host",
+           "memory_kinds", "on_device", "outbound", "read_ahead", "schedule", "streamed",
+           "to_device", "to_host"]
