@@ -428,7 +428,6 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   shardings = step_lib.state_shardings(plan)
 
   def step(state: step_lib.TrainState, batch: PyTree):
-    step_lib.check_batch(batch, plan.num_examples * microbatches, microbatches)
     params, opt_state, metrics = jax.shard_map(
         local, mesh=plan.mesh,
         in_specs=(plan.param_specs, plan.opt_specs, plan.local_batch_spec),

@@ -134,11 +134,17 @@ def init_state(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
 _PARAMS_AT = 1  # TrainState's leaves: step, then the params'.
 
 
+def _state_mask(plan: zero.ZeroPlan, params: PyTree, opt_state: PyTree) -> TrainState:
+  """A bool per leaf of the train state: `params` / `opt_state` (masks of the plan's
+  params and optimizer state) for theirs, False for the rest."""
+  no = lambda t: jax.tree.map(lambda _: False, t)  # noqa: E731
+  return TrainState(False, params, opt_state, False,
+                    no(jax.eval_shape(precision.init_loss_scale)), no(plan.model_state))
+
+
 def host_leaves(plan: zero.ZeroPlan) -> TrainState:
   """Per leaf of the train state: True if it lives in host memory (`state_shardings`)."""
-  no = lambda t: jax.tree.map(lambda _: False, t)  # noqa: E731
-  return TrainState(False, plan.param_offloaded, plan.opt_offloaded, False,
-                    no(jax.eval_shape(precision.init_loss_scale)), no(plan.model_state))
+  return _state_mask(plan, plan.param_offloaded, plan.opt_offloaded)
 
 
 def _split_params(params: PyTree | None, plan: zero.ZeroPlan) -> tuple[list, list]:
@@ -193,10 +199,7 @@ def init_programs(plan: zero.ZeroPlan, init_fn: Callable[[jax.Array], PyTree],
     return [(jax.jit(lambda k, d, o: jax.tree.leaves(init(k, d, o)), out_shardings=shardings,
                      donate_argnums=1), list(range(len(host))))]
   sizes = [streaming.memory.nbytes(x) for x in jax.tree.leaves(abstract_state(plan))]
-  no = lambda t: jax.tree.map(lambda _: False, t)  # noqa: E731
-  stacked = jax.tree.leaves(TrainState(
-      False, plan.per_layer, plan.opt_per_layer, False,
-      no(jax.eval_shape(precision.init_loss_scale)), no(plan.model_state)))
+  stacked = jax.tree.leaves(_state_mask(plan, plan.per_layer, plan.opt_per_layer))
   groups = streaming.host_groups([i for i, h in enumerate(host) if h and i not in skip], sizes)
   groups.append([i for i, h in enumerate(host) if not h])
 
@@ -273,16 +276,6 @@ def average_model_state(plan: zero.ZeroPlan, new: PyTree) -> PyTree:
 def leading_size(batch: PyTree) -> int:
   leaf = jax.tree.leaves(batch)[0]
   return math.prod(leaf.shape[:2])
-
-
-def check_batch(batch: PyTree, multiple: int, microbatches: int) -> None:
-  """A clear error at trace time instead of a shape error deep inside shard_map."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-    if not leaf.shape or leaf.shape[0] % multiple:
-      raise ValueError(
-          f"batch leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}: its leading "
-          f"(example) dimension must be divisible by {multiple} = data-parallel devices "
-          f"({multiple // microbatches}) x microbatches ({microbatches})")
 
 
 # Which params `materialize` hands the model in the reduce dtype (`upcast_params`).
@@ -572,7 +565,6 @@ def make_train_step(plan: zero.ZeroPlan, loss_fn: LossFn,
   by_layer = by_layer if update_by_layer is None else update_by_layer
 
   def step(state: TrainState, batch: PyTree):
-    check_batch(batch, plan.num_examples * microbatches, microbatches)
     # Offloaded params come over whole: the gradient half differentiates an fp32 copy
     # of them anyway (gradient release is the path that streams them by layer).
     params = streaming.to_device(state.params, plan.param_offloaded)

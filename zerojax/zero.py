@@ -372,7 +372,6 @@ class ZeroPlan:
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                         is_leaf=lambda s: isinstance(s, P))
 
-
   @property
   def gathered_whole(self) -> tuple["WholeLeaf", ...]:
     """The sharded params stage 3 gathers whole, at once, before the loss (`step.materialize`:

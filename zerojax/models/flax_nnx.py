@@ -141,9 +141,13 @@ def from_nnx(create: Callable[..., nnx.Module],
     m.eval()  # BatchNorm's running statistics, no dropout.
     return _run(loss_fn, m, batch, rng)
 
+  def init(rng: jax.Array) -> Any:
+    _, params, batch_stats, _ = build(rng)
+    made = nnx.to_pure_dict(params)
+    return (made, nnx.to_pure_dict(batch_stats)) if stateful else made
+
   return NnxModel(
-      init=lambda rng: (lambda _, p, s, __: (nnx.to_pure_dict(p), nnx.to_pure_dict(s))
-                        if stateful else nnx.to_pure_dict(p))(*build(rng)),
+      init=init,
       params=nnx.to_pure_dict(abstract),
       logical_axes=nnx.to_pure_dict(abstract, axis_names),
       loss=loss, module=module,

@@ -300,8 +300,7 @@ def with_update_rule(inner: optax.GradientTransformation, rule: str, *, seed: in
 
   if rule == "nearest":
     # optax.apply_updates rounds p + u to nearest itself.
-    def init(params):
-      return inner_init(params)
+    init = inner_init
 
     def update(grads, state, params=None, **extra):
       return inner_update(grads, state, params, **extra)
