@@ -33,6 +33,14 @@ measurement, an out-of-memory or a hang costs one row, not the run):
    `configs/8b_1x4090.py` runs): step time and device peak with and without the copies;
    on a GPU once more written behind (`optimizer.release_write_behind`: each layer's
    update goes back during the next layer's trip, 32 host copies in flight).
+6. **the whole run** (issue 52), on the parameter-offload row (not written behind): each
+   phase of the run compiled (`zerojax.memory.phases`: init, init from HF weights, the
+   step, the eval step, a checkpoint's checksums) beside the device's peak read after
+   each phase as it runs, in the order init, checksums (a save's and a restore's own
+   device work; the 8B's 58 GiB of state is not written: the lent machine's disk is 64
+   GiB), the eval step, the first step, the timed steps. The peak only grows, so a
+   phase's own peak shows where it exceeds every phase before it: the order is the
+   compiled bytes' ascending.
 
 The run stops starting new measurements when `--budget` seconds are spent; results are
 written after every measurement, so a run cut short keeps what it measured.
@@ -231,12 +239,30 @@ def _planner_estimate(config, devices, out):
     out["planner_note"] = f"zerojax.memory.estimate failed: {type(e).__name__}: {e}"[:300]
 
 
+def _compiled_phases(config, built, compiled, out) -> None:
+  """Adds each phase's compiled device bytes on this device (`zerojax.memory.phases`, the
+  step's compile reused) to `out` as compiled_phases, or a note why not."""
+  try:
+    from zerojax.memory import phases as run_phases
+    m = compiled.memory_analysis()
+    step = dict(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+                host_arguments=m.host_argument_size_in_bytes,
+                host_outputs=m.host_output_size_in_bytes)
+    got = run_phases.phase_memory(config, built=built, known=dict(train_step=[step]))
+    out["compiled_phases"] = {p: v["device"] for p, v in got.items()}
+    out["compiled_peak_phase"] = run_phases.whole_run(got)[0]
+  except Exception as e:  # pylint: disable=broad-except  (a row without it still counts)
+    out["compiled_phases_note"] = f"{type(e).__name__}: {e}"[:300]
+
+
 def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
-              extra: list[str], out: dict) -> dict:
+              extra: list[str], out: dict, whole_run: bool = False) -> dict:
   """Builds the config at stage 3 with `remat`, compiles, checks the fit, times steps.
 
   Fills `out` as it goes, so a failure (say, out of memory in the first step) still
-  reports the compiled and planned memory.
+  reports the compiled and planned memory. `whole_run`: each phase compiled, and the
+  checksums and the eval step run before the first step (module docstring, 6).
   """
   import jax
   import jax.numpy as jnp
@@ -274,6 +300,8 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   out["compiled_bytes"] = (m.argument_size_in_bytes + m.output_size_in_bytes
                            - m.alias_size_in_bytes + m.temp_size_in_bytes)
   _planner_estimate(config, jax.device_count(), out)
+  if whole_run:
+    _compiled_phases(config, b, compiled, out)
   limit = info["bytes_limit"]
   if limit and out["compiled_bytes"] > limit:
     out["status"] = "does not fit"
@@ -291,6 +319,13 @@ def child_mfu(cfg: str, remat: str, cpu: bool, steps: int, batch: int,
   tokens = jax.random.randint(jax.random.key(1), (t.global_batch_size, t.seq_len + 1), 0,
                               config.model.vocab_size, jnp.int32)
   batch_data = {"tokens": jax.device_put(tokens, b.batch_sharding)}
+  if whole_run:
+    from zerojax.checkpoint import checksums
+    checksums.describe(state)  # A save's and a restore's device work.
+    phases["checksums"] = _memory_now()
+    out["eval_loss"] = float(zerojax.make_eval_step(b.plan, b.model.loss)(state.params,
+                                                                          batch_data)["loss"])
+    phases["eval step"] = _memory_now()
   state, metrics = compiled(state, batch_data)  # Warm-up (first-run allocations).
   loss0 = float(metrics["loss"])
   jax.block_until_ready(state)
@@ -322,7 +357,7 @@ def run_child(spec: dict) -> None:
       out = child_bandwidth(spec["cpu"])
     else:
       child_mfu(spec["config"], spec["remat"], spec["cpu"], spec["steps"], spec["batch"],
-                spec.get("set", []), out)
+                spec.get("set", []), out, spec.get("whole_run", False))
   except Exception as e:  # pylint: disable=broad-except
     text = f"{type(e).__name__}: {e}"
     out.update(status="oom" if _is_oom(text) else "error", error=text[:2000],
@@ -445,8 +480,9 @@ def main(argv=None):
       continue
     print(f"{name} ...", flush=True)
     r = spawn(dict(kind="mfu", config=cfg, remat=remat, cpu=args.cpu, steps=args.steps,
-                   batch=args.batch, set=args.set + list(extra),
-                   xla_flags=list(xla)), min(cap[cfg], left()), args.cpu)
+                   batch=args.batch, set=args.set + list(extra), xla_flags=list(xla),
+                   whole_run=label == "release + param and optimizer offload"),
+              min(cap[cfg], left()), args.cpu)
     r.setdefault("config", CONFIGS[cfg])
     r["remat"] = remat + (f" + {label}" if label else "")
     r["name"] = name

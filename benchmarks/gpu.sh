@@ -6,7 +6,8 @@
 # in host memory (zero.param_offload, optimizer.offload: the step time the copies cost;
 # once more written behind: optimizer.release_write_behind),
 # the bf16 Kahan AdamW update's memory bandwidth against the device's peak,
-# per-device memory against the planner.
+# per-device memory against the planner, and for the 8B in host memory each phase of the
+# run (init, checksums, eval, the steps): its device peak beside its compiled bytes.
 #
 #   bash benchmarks/gpu.sh            # one H200, under 8 minutes -> benchmarks/results/gpu.json
 #   bash benchmarks/gpu.sh --cpu      # tiny shapes on CPU, ~1 minute -> benchmarks/results/gpu_cpu.json

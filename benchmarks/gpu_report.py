@@ -93,6 +93,11 @@ def report(res: dict) -> str:
       cells = [f"{gib(p.get('peak'))} / {gib(p.get('in_use'))}"
                for p in (r["phases"].get(n) or {} for n in names)]
       lines.append(f"| {r.get('name', r.get('remat'))} | " + " | ".join(cells) + " |")
+  for r in res["mfu"]:  # The whole-run rows: each phase's compiled bytes beside its peak.
+    if r.get("compiled_phases"):
+      lines.append(f"\n{r.get('name')}: compiled device bytes a phase (GiB), "
+                   + ", ".join(f"{p} {gib(v)}" for p, v in r["compiled_phases"].items())
+                   + f"; the largest: {r.get('compiled_peak_phase')}")
   notes = {r.get("planner_note") for r in res["mfu"] if r.get("planner_note")}
   lines += [f"\nplanner: {n}" for n in sorted(notes)]
   return "\n".join(lines)

@@ -98,6 +98,7 @@ def test_on_a_gpu_the_saved_inputs_live_in_host_memory_and_arrive_one_layer_ahea
                "mesh.data=1", SP, "zero.stage=3", "model.remat=full"]
   layer_bytes = 1 * (seq // 8) * width * 2
   memory_report.main(["--config", "configs/tiny.py", "--target", "h100:8", "--compile", "--json",
+                      "--phases", "train_step",
                       *(f"--config.{o}" for o in (*overrides, OFFLOAD))])
   r = json.loads(capsys.readouterr().out)
   assert r["host"]["saved activations"] == r["compiled"]["host_temporaries"] == layers * layer_bytes

@@ -93,8 +93,9 @@ def test_the_70b_recipe_fits_8_h100s_by_the_gpu_compiler(capsys):
   """The README's 70B recipe on 8 x H100, to the digits it states: planned 63.98 GiB,
   compiled 62.09 GiB (planner / GPU 1.03), fits; without the flag profile 63.11 GiB
   against 58.99 GiB at JAX's 0.75: does NOT fit."""
+  # The step alone (--phases): the other phases' verdict is test_the_whole_run_decides...'s.
   status = memory_report.main(["--config", RECIPE, "--target", "h100:8", "--compile",
-                               "--json"])
+                               "--phases", "train_step", "--json"])
   out = json.loads(capsys.readouterr().out)
   compiled = out["compiled"]["arguments"] + out["compiled"]["temporaries"]
   assert status == 0 and out["fits"] and out["target"] == "h100:8"
@@ -102,12 +103,40 @@ def test_the_70b_recipe_fits_8_h100s_by_the_gpu_compiler(capsys):
   assert f"{out['total'] / compiled:.2f}" == "1.03"
   # Without the flag profile the same step does not fit: the profile is what fits it.
   status = memory_report.main(["--config", RECIPE, "--target", "h100:8", "--compile",
-                               "--config.xla.gpu_profile=False"])
+                               "--phases", "train_step", "--config.xla.gpu_profile=False"])
   text = capsys.readouterr().out
   assert status == 1 and "does NOT fit" in text
   assert "58.99 GiB per device" in text, text
   assert re.search(r"XLA's GPU compiler \(.*\): 63\.11 GiB per device; verdict: does NOT fit",
                    text), text
+
+
+def test_the_whole_run_decides_a_targets_verdict(capsys):
+  """Issue 52: `--target --compile` and `train.py --dry_run --target` compile each phase of
+  the run beside the step and judge the largest. Trained in 16 microbatches, the step holds
+  a microbatch's activations, the eval step the whole batch's: the eval step is the peak
+  (6,082,672 bytes the step, 6,996,460 the eval a device on 8 H100s: XLA's GPU compiler),
+  and memory between the two fits the step and not the run."""
+  tiny = os.path.join(ROOT, "configs", "tiny.py")
+  shape = ["--config.train.global_batch_size=128", "--config.train.microbatches=16"]
+  argv = ["--config", tiny, "--target", "h100:8", "--compile", *shape]
+  step, run = 6_082_672, 6_996_460  # Bytes a device: the step's, the eval step's.
+  between = f"--device-memory={(step + run) // 2}B"
+  assert memory_report.main([*argv, between, "--json"]) == 1
+  out = json.loads(capsys.readouterr().out)
+  phases = out["phases"]
+  assert sorted(phases) == ["checksums", "eval_step", "init", "init_from", "train_step"]
+  assert out["compiled"]["arguments"] + out["compiled"]["temporaries"] == step
+  assert max(phases, key=lambda p: phases[p]["device"]) == "eval_step"
+  assert phases["eval_step"]["device"] == run and not out["fits"]
+  with pytest.raises(SystemExit) as stop:
+    memory_report.main([*argv, "--phases", "restore"])
+  assert stop.value.code == 2 and "no phase 'restore'" in capsys.readouterr().err
+  # train.py's dry run lists the same phases and judges the same peak.
+  assert train.main(["--config", tiny, "--dry_run", "--target", "h100:8", *shape]) == 0
+  text = capsys.readouterr().out
+  assert "the run's phases" in text and re.search(r"eval_step +device", text)
+  assert "the whole run's peak (eval_step)" in text
 
 
 def test_adamw_with_release_and_offload_streams_the_state_per_layer_on_8_h100s():
@@ -142,7 +171,8 @@ def test_train_dry_run_compiles_for_a_target(capsys):
   """The 70B chat fine-tune (configs/70b_sft_8x80gb.py: packed SFT rows under gradient
   release) through train.py's dry run for 8 x H100: 62.13 GiB a device (the README's
   figure; the planner 63.98 GiB)."""
-  assert train.main(["--config", SFT_RECIPE, "--dry_run", "--target", "h100:8"]) == 0
+  assert train.main(["--config", SFT_RECIPE, "--dry_run", "--target", "h100:8",
+                     "--phases", "train_step"]) == 0  # The step's figures (the phases: above).
   text = capsys.readouterr().out
   assert "NVIDIA H100 80GB HBM3" in text and "XLA's GPU compiler" in text
   assert "verdict: fits" in text and "packed" in text
@@ -161,8 +191,8 @@ def test_the_70b_trains_on_262144_token_sequences_on_8_h100s(capsys):
   inputs, [32768, 8192] bf16 each (40.00 GiB, 320 GiB a node), as reported."""
   path = os.path.join(ROOT, "configs", "70b_256k_8x80gb.py")
   # The default corpus's held-out split must hold one 262,145-token row.
-  assert train.main(["--config", path, "--dry_run", "--target", "h100:8",
-                     "--config.data.eval_fraction=0.2"]) == 0
+  assert train.main(["--config", path, "--dry_run", "--target", "h100:8", "--phases",
+                     "train_step", "--config.data.eval_fraction=0.2"]) == 0
   text = capsys.readouterr().out
   assert "verdict: fits" in text
   (total,) = re.findall(r"per-device memory \(compiled\): .* = ([0-9.]+) GiB", text)

@@ -19,13 +19,15 @@ to <workdir>/metrics.jsonl and TensorBoard (<workdir>/tb), and to W&B with
 logging.wandb.project (zerojax/run/metrics.py). `--dry_run` compiles the step from
 abstract inputs (nothing is allocated, so a 70B config works on a laptop with
 `--fake_devices`) and exits; `--target h100:8` compiles it with XLA's GPU compiler for
-that GPU instead (zerojax.gpu: no GPU needed) and judges it against that GPU's memory as
-this trainer would run it there. Bad command line, config or data: one `error:` line, exit
-status 2, before the config is printed; on CPU a step larger than the host's free memory
-is refused the same way before anything is allocated (not in a dry run). Several
-processes (README, Multi-host): the same command on each; exit status 4 if they do not
-all join within distributed.initialization_timeout. Stopped early by SIGTERM, Ctrl-C or
---stop_after: saved, exit status 75; the same command resumes. Every status:
+that GPU instead (zerojax.gpu: no GPU needed), with each other phase of the run (init,
+eval, a checkpoint's checksums, generation: zerojax.memory.phases; `--phases` picks),
+and judges the largest against that GPU's memory as this trainer would run it there. Bad
+command line, config or data: one `error:` line, exit status 2, before the config is
+printed; on CPU a step larger than the host's free memory is refused the same way before
+anything is allocated (not in a dry run). Several processes (README, Multi-host): the
+same command on each; exit status 4 if they do not all join within
+distributed.initialization_timeout. Stopped early by SIGTERM, Ctrl-C or --stop_after:
+saved, exit status 75; the same command resumes. Every status:
 zerojax/runtime/exits.py.
 """
 
@@ -53,7 +55,7 @@ from zerojax.config import (
 )
 from zerojax.data import sft
 from zerojax.gpu import compile as gpu_compile, targets, xla_flags
-from zerojax.memory import report as memory_report
+from zerojax.memory import phases as run_phases, report as memory_report
 from zerojax.mesh import processes_per_group
 from zerojax.models.attention import attention_kernel
 from zerojax.optim import precision
@@ -95,6 +97,9 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
   parser.add_argument("--target", default="",
                       help="with --dry_run: compile for this GPU with XLA's GPU compiler, e.g. "
                            "h100:8 or h100:2x8 (2 hosts of 8); zerojax.gpu.targets lists them")
+  parser.add_argument("--phases", default=",".join(run_phases.PHASES),
+                      help="with --target: the run's phases compiled beside the step, the "
+                           "largest judged (default: every one the run takes)")
   parser.add_argument("--workdir", default=None, help="overrides config.workdir")
   parser.add_argument("--stop_after", type=int, default=None, metavar="STEP",
                       help="after this step (one this run takes: after the resumed one, up "
@@ -109,6 +114,7 @@ def parse_args(argv: list[str]) -> tuple[str, list[str], argparse.Namespace]:
       parser.error("--target compiles for a GPU without one: it takes --dry_run, not "
                    "--fake_devices (the target names the device count: h100:8)")
     args.target_spec = targets.parse(args.target)
+    args.phases = memory_report.phases_arg(args.phases, parser.error)
     gpu_compile.prepare(args.target_spec.devices)  # Before JAX starts a backend.
   if args.fake_devices:  # XLA reads its flags when JAX starts a backend: nothing has yet.
     # With the memory-optimized scheduler, and no hoisting of whole-stack f32 copies out
@@ -203,6 +209,9 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     # XLA:CPU moves nothing between host and device: only a GPU's schedule has copies.
     text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]
+  # The run's other phases for a target: init, eval, checksums, generation (issue 52).
+  phased = spec and run_phases.phase_memory(config, spec, args.phases, built=built,
+                                            known=dict(train_step=[mem]))
   if text:  # The host copies the module makes a step, beside the planner's below.
     mem = memory_report.with_traffic(mem, text, *memory_report.schedule_rates(
         spec, c.train.peak_flops))
@@ -249,7 +258,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
   report("\n".join(filter(None, [
       memory_report.format_table(estimate, mem, title=path, gpu=bool(spec)),
       spec and memory_report.format_target_verdict(spec, where, where[0], dict(
-          mem, seconds=time.perf_counter() - start)),
+          mem, seconds=time.perf_counter() - start), phased),
       memory_report.traffic_line(mem, estimate),
       memory_report.format_suggestions(estimate, found)])), memory_estimate=estimate.total)
   # CPU devices' memory and host memory are one.

@@ -7,11 +7,16 @@ A phase is one or more jitted programs a run dispatches: `init` (`init_state`'s
 programs from the model's init), `init_from` (the same from imported params:
 `zerojax.hf.load_params` itself runs no program, it writes each block straight into its
 leaf's memory kind), `train_step`, `eval_step`, `checksums` (a checkpoint save's and a
-restore's; orbax itself reads and writes each leaf in its own memory kind). A phase's
+restore's; orbax itself reads and writes each shard straight into its target's memory
+kind, on any mesh or stage), and `generate` where the run decodes
+(`train.eval_exact_match`: 64 prompts of a training row's length, KV-cached). A phase's
 `device` bytes are its programs' peak, run in order: each program's device arguments,
 temporaries and outputs less the aliased, above the device outputs of the programs
 before it (a phase's own inputs, the state the step reads, are counted as arguments).
 XLA's GPU compiler for a target (`spec`), else XLA:CPU on this process's devices.
+
+`python -m zerojax.memory --target T --compile` and `train.py --dry_run --target T` judge
+a run by the largest of its phases (`whole_run`).
 """
 
 from __future__ import annotations
@@ -28,16 +33,19 @@ import zerojax
 from zerojax import build, step, streaming
 from zerojax.checkpoint import checksums
 from zerojax.config import load_config
+from zerojax.generate import decode
 from zerojax.gpu import compile as gpu_compile, targets
 from zerojax.runtime.devices import fake_cpu_devices
 
 GIB = 1 << 30
 
-PHASES = ("init", "init_from", "train_step", "eval_step", "checksums")
+PHASES = ("init", "init_from", "train_step", "eval_step", "checksums", "generate")
+# The prompts train.eval_exact_match decodes at once (`generate.exact_match`'s batch).
+EXACT_MATCH_BATCH = 64
 
 
-def programs(built) -> dict[str, list[tuple[Any, tuple]]]:
-  """Per phase: its (jitted, abstract args) in the order a run dispatches them."""
+def programs(built, config) -> dict[str, list[tuple[Any, tuple]]]:
+  """Per phase the run takes: its (jitted, abstract args) in the order it dispatches them."""
   plan, model = built.plan, built.model
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(built.mesh, P()))
   params = jax.tree.leaves(built.abstract_state.params)
@@ -57,7 +65,20 @@ def programs(built) -> dict[str, list[tuple[Any, tuple]]]:
       "checksums": [(checksums.jitted(jax.tree.structure(part), tuple(
           x.sharding for x in part)), (part,)) for part in (
               [leaves[i] for i in g] for g in checksums.programs(leaves))],
+      "generate": _generation(built, config),
   }
+
+
+def _generation(built, config) -> list[tuple[Any, tuple]]:
+  """train.eval_exact_match's KV-cached decoding, a training row's length of prompt and
+  cache (`report.generation_cache` counts the same cache); none where the run does not
+  decode or its model has no cache (the uncached reference decodes whole params)."""
+  if not (config.train.eval_exact_match and hasattr(built.model, "extend")):
+    return []
+  plan, length = built.plan, decode.length_bucket(config.train.seq_len)
+  rows = decode.batch_bucket(EXACT_MATCH_BATCH, plan.num_data)
+  return [(decode.decoder(built.model, plan), decode.abstract_inputs(plan, rows, length,
+                                                                      length))]
 
 
 def compiled(jitted, args: tuple, built, spec=None, config=None) -> dict:
@@ -78,19 +99,21 @@ def compiled(jitted, args: tuple, built, spec=None, config=None) -> dict:
               aliased=m.alias_size_in_bytes, host_arguments=host_in, host_outputs=host_out)
 
 
-def phase_memory(config, spec=None, phases=PHASES) -> dict[str, dict]:
+def phase_memory(config, spec=None, phases=PHASES, built=None, known=None
+                 ) -> dict[str, dict]:
   """{phase: device (its peak bytes a device, see the module), host (the host arguments
   of its largest program or the host outputs of all, a device), temporaries (its largest
-  program's), programs (how many)}, for `config` built on this process's devices
-  (validated for them), compiled for `spec` (a `TargetSpec`; None: XLA:CPU)."""
-  built = build.build(config)
-  out = {}
-  for phase, progs in programs(built).items():
-    if phase not in phases:
+  program's), programs (how many)}, for each of `phases` the run takes: `config` built
+  on this process's devices (validated for them; or `built`, its `build.build`),
+  compiled for `spec` (a `TargetSpec`; None: XLA:CPU). `known`: {phase: [a `compiled`
+  dict a program]} compiled already (the step a report compiled), not compiled again."""
+  built = built or build.build(config)
+  known, out = known or {}, {}
+  for phase, progs in programs(built, config).items():
+    if phase not in phases or not progs:
       continue
     held = peak = temps = host_in = host_out = 0
-    for jitted, args in progs:
-      m = compiled(jitted, args, built, spec, config)
+    for m in known.get(phase) or (compiled(j, args, built, spec, config) for j, args in progs):
       peak = max(peak, held + m["arguments"] + m["temporaries"] + m["outputs"] - m["aliased"])
       held += m["outputs"] - m["aliased"]
       temps = max(temps, m["temporaries"])
@@ -98,6 +121,22 @@ def phase_memory(config, spec=None, phases=PHASES) -> dict[str, dict]:
     out[phase] = dict(device=peak, host=max(host_in, host_out), temporaries=temps,
                       programs=len(progs))
   return out
+
+
+def whole_run(result: dict[str, dict]) -> tuple[str, int]:
+  """(the phase that sets the run's device peak, its bytes a device) of `phase_memory`."""
+  top = max(result, key=lambda p: result[p]["device"])
+  return top, result[top]["device"]
+
+
+def lines(result: dict[str, dict]) -> list[str]:
+  """`phase_memory` as a report's lines, a phase a line, then the phase that sets the
+  peak."""
+  out = [f"  {phase:<11} device {m['device'] / GIB:7.2f}  temporaries "
+         f"{m['temporaries'] / GIB:7.2f}  host {m['host'] / GIB:7.2f}  "
+         f"({m['programs']} program{'s' * (m['programs'] > 1)})" for phase, m in result.items()]
+  top, peak = whole_run(result)
+  return out + [f"  peak: {top}, {peak / GIB:.2f} GiB"]
 
 
 def main(argv=None) -> int:
@@ -117,12 +156,7 @@ def main(argv=None) -> int:
                        num_devices=devices)
   result = phase_memory(config, spec, tuple(args.phases.split(",")))
   print(f"{args.config} on {spec or f'{devices} XLA:CPU devices'}, GiB a device:")
-  for phase, m in result.items():
-    print(f"  {phase:<11} device {m['device'] / GIB:7.2f}  temporaries "
-          f"{m['temporaries'] / GIB:7.2f}  host {m['host'] / GIB:7.2f}  "
-          f"({m['programs']} program{'s' * (m['programs'] > 1)})", flush=True)
-  top = max(result, key=lambda p: result[p]["device"])
-  print(f"  peak: {top}, {result[top]['device'] / GIB:.2f} GiB")
+  print("\n".join(lines(result)))
   return 0
 
 

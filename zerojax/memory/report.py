@@ -19,6 +19,11 @@ gives the host bytes per device and per node (`--host-memory` judges them) and t
 moved over the host link per step, timed at the target's link (`zerojax.gpu.host_link`)
 or `--host-bandwidth` beside the step's compute at `--mfu` (`zerojax.memory.bus`).
 
+With `--target --compile` each phase of the run is compiled too (`zerojax.memory.phases`:
+init, the eval step, a checkpoint's checksums, generation where the run decodes; `--phases`
+picks), and the largest of them decides the device's verdict: the whole run's peak, not
+the step's alone.
+
 Exit status: 0 fits (or no device memory known), 1 does not fit (device or host memory),
 2 bad config. With --target --compile the compiled bytes decide the device's verdict.
 """
@@ -54,6 +59,7 @@ from zerojax.memory import (
   bus,
   estimate,
   longest_sequence,
+  phases as run_phases,
   sequence_unit,
   suggestions,
 )
@@ -327,6 +333,10 @@ def _main(argv: list[str]) -> int:
   p.add_argument("--compile", action="store_true", help="also compile the step (for --target "
                  "with XLA's GPU compiler; else on as many fake CPU devices with XLA:CPU's "
                  "memory flags) and show XLA's numbers")
+  p.add_argument("--phases", default=",".join(run_phases.PHASES),
+                 help="with --target --compile: the run's phases compiled beside the step, "
+                 "the largest deciding the verdict (default: every one the run takes; "
+                 "train_step: the step alone)")
   p.add_argument("--longest-sequence", "--longest_sequence", action="store_true",
                  help="plan (and with --compile, compile) at the longest train.seq_len that "
                  "fits in the device memory, at this batch (zerojax.memory.longest_sequence)")
@@ -352,6 +362,7 @@ def _main(argv: list[str]) -> int:
     p.error(str(err))
   if not 0 < args.mfu <= 1:
     p.error(f"--mfu {args.mfu:g}: a fraction in (0, 1]")
+  phases = phases_arg(args.phases, p.error)
   spec = None
   if args.target:
     spec = targets.parse(args.target, args.devices)
@@ -381,18 +392,21 @@ def _main(argv: list[str]) -> int:
         return 1
       e = estimate(dataclasses.replace(longest[0].setup, **per_host), **fit)
       config.train.seq_len = e.setup.seq_len
-  compiled = attributed = None
+  compiled = attributed = phased = None
   if args.compile:
-    compiled, attributed = compile_and_attribute(
+    compiled, attributed, built = compile_and_attribute(
         config, e, spec, schedule_rates(spec, config.train.peak_flops, args.mfu, bandwidth))
+    if spec:  # The run's other phases, the step's compile reused (issue 52).
+      phased = run_phases.phase_memory(config, spec, phases, built=built,
+                                       known=dict(train_step=[compiled]))
   with for_target(spec):  # Each suggestion's estimate is the target's too.
     found = suggestions(e.setup, **fit)
   generation = generation_cache(config, args.devices, args.generate, p.error)
   fits = e.fits_device if not (spec and compiled) else (
-      compiled["arguments"] + compiled["temporaries"] <= device_memory)
+      compiled_peak(compiled, phased) <= device_memory)
   link = host_link(e, spec, bandwidth, config.train.peak_flops, args.mfu)
   if args.json:
-    print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed,
+    print(json.dumps(dict(to_dict(e), compiled=compiled, attributed=attributed, phases=phased,
                           target=str(spec) if spec else None, fits=fits and e.fits_host,
                           fits_device=fits, pcie=link.to_dict(), generate=generation,
                           suggestions=[dict(change=x.change, overrides=x.overrides,
@@ -404,7 +418,7 @@ def _main(argv: list[str]) -> int:
     print(format_table(e, compiled, attributed, title=" ".join([path, *overrides, *at]),
                        gpu=bool(spec), link=link))
     if spec:
-      print(format_target_verdict(spec, where, device_memory, compiled))
+      print(format_target_verdict(spec, where, device_memory, compiled, phased))
       if compiled and (moved := traffic_line(compiled, e)):
         print(moved)
       if compiled and (timed := timed_line(compiled)):
@@ -490,14 +504,16 @@ def compile_and_attribute(config, e: Estimate, spec=None,
     else:
       compiled = build.compiled_memory(built, dump_to=dump)
     return compiled, attribute(e.setup, xla_dump.live_at_peak(dump),
-                               one_device=e.one_device)
+                               one_device=e.one_device), built
   finally:
     shutil.rmtree(dump, ignore_errors=True)
 
 
 def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
-                          compiled: dict | None) -> str:
-  """Where the verdict's bytes come from on a GPU target, and (compiled) the verdict."""
+                          compiled: dict | None, phased: dict | None = None) -> str:
+  """Where the verdict's bytes come from on a GPU target, and (compiled) the verdict: on
+  the step's bytes, or with `phased` (`phases.phase_memory`, the step among them) on the
+  largest phase's, each phase listed."""
   t = spec.target
   pool, fraction = where
   lines = [f"target {spec}: {spec.devices} x {t.device_kind}, {fmt_bytes(t.memory)} each; "
@@ -508,15 +524,34 @@ def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
   if compiled:
     total = compiled["arguments"] + compiled["temporaries"]
     host = compiled["host_arguments"] + compiled.get("host_temporaries", 0)
-    lines.append(
-        f"XLA's GPU compiler ({compiled['seconds']:.1f} s; buffer assignment, nothing "
-        f"allocated): {fmt_bytes(total)} per device"
-        + (f" + {fmt_bytes(host)} in host memory ({host_parts(compiled)}; "
-           f"{fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)" if host else "")
-        + f"; verdict: {'fits' if total <= device_memory else 'does NOT fit'} "
-        f"({'headroom' if total <= device_memory else 'short by'} "
-        f"{fmt_bytes(abs(device_memory - total))})")
+    step = (f"XLA's GPU compiler ({compiled['seconds']:.1f} s; buffer assignment, nothing "
+            f"allocated): {fmt_bytes(total)} per device"
+            + (f" + {fmt_bytes(host)} in host memory ({host_parts(compiled)}; "
+               f"{fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)"
+               if host else ""))
+    if phased and len(phased) > 1:
+      top, total = run_phases.whole_run(phased)
+      lines += [step + " for the step", "the run's phases, GiB a device "
+                "(python -m zerojax.memory.phases):", *run_phases.lines(phased)]
+      step = f"the whole run's peak ({top}): {fmt_bytes(total)} per device"
+    lines.append(step + f"; verdict: {'fits' if total <= device_memory else 'does NOT fit'} "
+                 f"({'headroom' if total <= device_memory else 'short by'} "
+                 f"{fmt_bytes(abs(device_memory - total))})")
   return "\n".join(lines)
+
+
+def phases_arg(text: str, error) -> tuple[str, ...]:
+  """--phases' names (the step always among them), or `error` naming the unknown."""
+  names = tuple(dict.fromkeys(["train_step", *filter(None, text.split(","))]))
+  if unknown := [n for n in names if n not in run_phases.PHASES]:
+    error(f"--phases: no phase {unknown[0]!r}; the phases: {', '.join(run_phases.PHASES)}")
+  return names
+
+
+def compiled_peak(compiled: dict, phased: dict | None) -> int:
+  """The device bytes a GPU-target verdict judges: the largest phase's, else the step's."""
+  step = compiled["arguments"] + compiled["temporaries"]
+  return max(step, run_phases.whole_run(phased)[1]) if phased else step
 
 
 def traffic_line(compiled: dict, e: Estimate) -> str:
