@@ -5,6 +5,8 @@ table, beside the planner's (and XLA:CPU's with --cpu): no GPU needed.
     python benchmarks/gpu_targets.py --cpu      # + XLA:CPU's compile of each (~+4 min)
     python benchmarks/gpu_targets.py --rows 70b # only the rows whose label has "70b"
                                                 # (replaced in the record, the rest kept)
+    python benchmarks/gpu_targets.py --replan   # the planner's columns of every recorded
+                                                # row again, nothing compiled (seconds)
 
 Each row is compiled as train.py would compile it on that GPU (`zerojax.gpu`: the XLA
 flag profile, cuDNN attention) and judged against the memory XLA's allocator has there
@@ -71,44 +73,70 @@ ROWS = [
 ]
 
 
+def planned(config, spec) -> dict:
+  """The planner's columns of a row: its estimate for `config` on `spec`, as
+  `python -m zerojax.memory --target` makes it."""
+  from zerojax import memory
+  from zerojax.memory import bus, report as memory_report
+  from zerojax.runtime import platform
+
+  budget, fraction = memory_report.target_budget(config, spec.target)
+  with platform.targeting():
+    e = memory.estimate(config, spec.devices, budget, gpu_memory=spec.target.memory)
+  h2d, d2h = bus.totals(bus.traffic(e.setup, e.host))
+  return dict(budget=budget, memory_fraction=fraction, planner=e.total,
+              planner_host=e.host_total, planner_h2d=h2d, planner_d2h=d2h)
+
+
+def replan(row: dict) -> dict:
+  """`row` with its planner columns made again by today's planner; its config must still
+  resolve to the digest it was compiled with (else the compile is stale: --rows)."""
+  from zerojax.config import digest, load_config
+  from zerojax.gpu import targets
+
+  spec = targets.parse(row["target"])
+  config = load_config(os.path.join(ROOT, row["config"]), row["overrides"],
+                       num_devices=spec.devices)
+  if digest(config) != row["config_digest"]:
+    raise SystemExit(f"{row['label']}: its config changed since it was compiled: "
+                     f"python benchmarks/gpu_targets.py --rows '{row['label']}'")
+  row = dict(row, **planned(config, spec))
+  row["planner_over_gpu"] = row["planner"] / row["gpu"]
+  return row
+
+
 def measure(label, name, overrides, target, cpu):
   import jax
 
-  from zerojax import build, memory
+  from zerojax import build
   from zerojax.config import digest, load_config
   from zerojax.gpu import compile as gpu_compile, targets
-  from zerojax.memory import bus, phases as run_phases, report as memory_report
-  from zerojax.runtime import platform
+  from zerojax.memory import phases as run_phases
   from zerojax.streaming import schedule
 
   spec = targets.parse(target)
   config = load_config(os.path.join(ROOT, "configs", f"{name}.py"), list(overrides),
                        num_devices=spec.devices)
-  budget, fraction = memory_report.target_budget(config, spec.target)
-  with platform.targeting():
-    e = memory.estimate(config, spec.devices, budget, gpu_memory=spec.target.memory)
+  plan = planned(config, spec)
   built = build.build(config, jax.devices()[:spec.devices])
   start = time.perf_counter()
   compiled = gpu_compile.compile_step(built, config, spec)
   out = compiled.memory
   moved = schedule.host_traffic(compiled.hlo)  # The module's host copies a step.
-  planned = bus.totals(bus.traffic(e.setup, e.host))
   row = dict(label=label, config=f"configs/{name}.py", overrides=list(overrides),
              config_digest=digest(config), target=str(spec),
-             device_kind=spec.target.device_kind, budget=budget,
-             memory_fraction=fraction, planner=e.total, planner_host=e.host_total,
+             device_kind=spec.target.device_kind, **plan,
              gpu=out["arguments"] + out["temporaries"], gpu_arguments=out["arguments"],
              gpu_temporaries=out["temporaries"], gpu_host=out["host_arguments"],
              gpu_host_temporaries=out["host_temporaries"],
-             gpu_h2d=moved[0], gpu_d2h=moved[1], planner_h2d=planned[0], planner_d2h=planned[1],
-             gpu_seconds=time.perf_counter() - start)
+             gpu_h2d=moved[0], gpu_d2h=moved[1], gpu_seconds=time.perf_counter() - start)
   if offloads(config):  # The run's other phases, the step's compile reused (issue 52).
     phased = run_phases.phase_memory(config, spec, built=built,
                                      known=dict(train_step=[out]))
     row["peak_phase"], row["whole_run"] = run_phases.whole_run(phased)
     row["phases"] = {phase: m["device"] for phase, m in phased.items()}
     row["gpu_seconds"] = time.perf_counter() - start
-  row["fits"] = max(row["gpu"], row.get("whole_run", 0)) <= budget
+  row["fits"] = max(row["gpu"], row.get("whole_run", 0)) <= row["budget"]
   row["planner_over_gpu"] = row["planner"] / row["gpu"]
   if cpu:
     mem = build.compiled_memory(built)
@@ -146,7 +174,17 @@ def main(argv=None):
                   help="only rows whose label contains this (or one of these, comma-separated)")
   ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                 "gpu_targets.json"))
+  ap.add_argument("--replan", action="store_true",
+                  help="only the planner's columns of every recorded row, made again")
   args = ap.parse_args(argv)
+  if args.replan:
+    with open(args.out) as f:
+      record = json.load(f)
+    record["rows"] = [replan(r) for r in record["rows"]]
+    with open(args.out, "w") as f:
+      json.dump(record, f, indent=1)
+    print(table(record["rows"]))
+    return
   rows = [r for r in ROWS if any(x in r[0] for x in args.rows.split(","))]
   from zerojax.gpu import compile as gpu_compile, targets
   from zerojax.runtime.device_env import CPU_MEMORY_FLAGS

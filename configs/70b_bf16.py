@@ -30,7 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.norm_eps = 1e-5
   c.model.remat = "full"
   c.model.attention_block = 512
-  c.model.loss_chunk = 1024
+  # Positions a loss chunk: with the vocabulary sharded (zero.vocab_parallel) its backward
+  # holds the chunk's fp32 logits and their gradient, two where a gathered head held one.
+  c.model.loss_chunk = 512
   c.precision.param_dtype = "bfloat16"
   c.precision.compute_dtype = "bfloat16"
   c.optimizer.name = "adamw"

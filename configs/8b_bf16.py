@@ -30,6 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.rope_theta = 500000.0
   c.model.rope_scaling_factor = 8.0  # Llama 3.1 long-context frequencies.
   c.model.remat = "full"
+  # Positions a loss chunk: with the vocabulary sharded (zero.vocab_parallel) its backward
+  # holds the chunk's fp32 logits and their gradient, two where a gathered head held one.
+  c.model.loss_chunk = 512
   c.precision.param_dtype = "bfloat16"
   c.optimizer.state_dtype = "bfloat16"
   c.optimizer.update_rule = "kahan"

@@ -105,7 +105,8 @@ LAYERS = (
   ("zerojax.config", "zerojax.optim", "zerojax.data", "zerojax.sequence"),
   ("zerojax.zero", "zerojax.run"),
   ("zerojax.streaming",),
-  ("zerojax.stage3", "zerojax.layered", "zerojax.updates", "zerojax.testing"),
+  ("zerojax.stage3", "zerojax.vocab", "zerojax.layered", "zerojax.updates",
+   "zerojax.testing"),
   ("zerojax.step", "zerojax.models"),
   ("zerojax",),  # The package's own names: make_plan, init_state, make_train_step, ...
   ("zerojax.release", "zerojax.checkpoint", "zerojax.gpu"),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 import zerojax
-from zerojax import models, optim, streaming
+from zerojax import models, optim, streaming, vocab
 from zerojax.config import ConfigError
 from zerojax.data import sft
 from zerojax.mesh import mesh_from_config, processes_per_group
@@ -75,7 +75,10 @@ def build(config, devices=None) -> Built:
                            min_shard_size=c.zero.min_shard_size,
                            offload=c.optimizer.offload == "host",
                            param_offload=c.zero.param_offload == "host",
-                           sequence_axes=("fsdp",) if c.mesh.sequence_parallel else ())
+                           sequence_axes=("fsdp",) if c.mesh.sequence_parallel else (),
+                           vocab_parallel=c.zero.vocab_parallel and getattr(
+                               model, "vocab_parallel", False) and vocab.pays(
+                                   gathered_tokens(c, mesh), c.model.vocab_size))
   # zerojax's models cast each weight to the compute dtype where they use it, so they
   # may see their params in fp32: those weight gradients then stay fp32 to the reduction.
   upcast = c.precision.upcast_params
@@ -99,6 +102,13 @@ def build(config, devices=None) -> Built:
                     for k, (shape, dtype) in shapes.items()}
   return Built(mesh, model, tx, schedule, loss_scaling, plan, train_step, batch_sharding,
                zerojax.abstract_state(plan), abstract_batch)
+
+
+def gathered_tokens(config, mesh) -> int:
+  """The tokens a microbatch has over the ZeRO shard axes: every device's but the data
+  axis' replicas' (what `zerojax.vocab` gathers to keep the vocabulary sharded)."""
+  t = config.train
+  return t.global_batch_size // t.microbatches // mesh.shape.get("data", 1) * t.seq_len
 
 
 @functools.lru_cache(maxsize=64)

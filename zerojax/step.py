@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from zerojax import sequence, stage3, streaming, updates, zero
+from zerojax import sequence, stage3, streaming, updates, vocab, zero
 from zerojax.optim import precision, update_rules
 from zerojax.runtime import dispatch, platform
 
@@ -282,12 +282,14 @@ def leading_size(batch: PyTree) -> int:
 UPCAST = ("none", "gathered", "all")
 
 
-def materialize(plan: zero.ZeroPlan, params: PyTree, upcast: str = "none") -> PyTree:
+def materialize(plan: zero.ZeroPlan, params: PyTree, upcast: str = "none",
+                whole_vocab: bool = False) -> PyTree:
   """What the model sees of one device's params: their own dtype, gathered by stage.
 
-  With sharded params, leaves the model gathers per layer become `stage3.Sharded`, the
-  other sharded leaves are gathered here; otherwise params are whole already. `params`
-  may be in another dtype (the reduce dtype, when differentiating).
+  With sharded params, leaves the model gathers per layer become `stage3.Sharded`, those
+  it uses on their vocabulary shards `vocab.VocabShard` (`plan.vocab_dims`), the other
+  sharded leaves are gathered here; otherwise params are whole already. `params` may be
+  in another dtype (the reduce dtype, when differentiating).
 
   Args:
     plan: the ZeRO plan.
@@ -301,12 +303,18 @@ def materialize(plan: zero.ZeroPlan, params: PyTree, upcast: str = "none") -> Py
       stack's or the head's gradient is then whole in fp32). A model that casts each
       weight to its compute dtype where it uses it gets their gradients in fp32 to the
       reduction, never rounded to bf16 (`make_train_step`'s `upcast_params`).
+    whole_vocab: gather the vocabulary leaves too (KV-cached decoding reads the whole
+      embedding and head).
   """
   if upcast not in UPCAST:
     raise ValueError(f"upcast_params={upcast!r}: one of {UPCAST}")
+  vocab_dims = (plan.vocab_dims if plan.vocab_dims is not None and not whole_vocab
+                else jax.tree.map(lambda _: None, plan.params))
 
-  def leaf(p, d, layered, host, like, e):
+  def leaf(p, d, layered, host, like, e, v):
     axes = plan.axes_of(e)
+    if v is not None:  # Its shard, in the params' dtype: the gradient comes back in it.
+      return vocab.VocabShard(p, v, axes, like.dtype)
     # Gathered a layer at a time over more than one shard (one device gathers nothing).
     by_layer = layered and d is not None and (host or plan.behaviour.shards_params)
     up = upcast == "all" or (upcast == "gathered" and by_layer)
@@ -321,7 +329,7 @@ def materialize(plan: zero.ZeroPlan, params: PyTree, upcast: str = "none") -> Py
   host = jax.tree.map(lambda h, p: h and streaming.in_host_memory(p), plan.param_offloaded,
                       params)
   seen = jax.tree.map(leaf, params, plan.param_dims, plan.per_layer, host, plan.params,
-                      plan.expert_dims, is_leaf=lambda d: d is None)
+                      plan.expert_dims, vocab_dims, is_leaf=lambda d: d is None)
   if not plan.behaviour.shards_params:
     return seen
   # On XLA:CPU the reduce-scatters of the whole leaves' gathers wait for the backward

@@ -47,6 +47,10 @@ LAYERS_AXIS = "layers"
 # device holds its experts: expert parallelism), and ZeRO shards it over the other
 # shard axes along another dimension.
 EXPERTS_AXIS = "experts"
+# Logical axis name of a vocabulary dimension (an embedding's rows, a head's columns):
+# with `make_plan(vocab_parallel=True)` a stage-3 leaf is sharded along it and used in
+# place (`zerojax.vocab`).
+VOCAB_AXIS = "vocab"
 # The memory kind of offloaded optimizer state: page-locked host memory, which the
 # device reads and writes by DMA (an unpinned buffer would be staged through a copy).
 HOST_MEMORY = "pinned_host"
@@ -187,6 +191,9 @@ class ZeroPlan:
     model_state: the shapes of the model's non-trainable state (linen collections such
       as `batch_stats`, NNX `BatchStat`s), replicated on every device and averaged over
       the data-parallel devices each step; None: the model has none.
+    vocab_dims: per parameter leaf, its vocabulary dimension where the model uses the
+      leaf's shard in place (`zerojax.vocab`: stage 3, sharded along that dimension),
+      else None; None: no such leaf.
   """
   mesh: Mesh
   stage: int
@@ -203,6 +210,7 @@ class ZeroPlan:
   expert_dims: PyTree = None
   logical_axes: PyTree = None
   model_state: PyTree = None
+  vocab_dims: PyTree = None
 
   @property
   def num_shards(self) -> int:
@@ -376,13 +384,17 @@ class ZeroPlan:
   def gathered_whole(self) -> tuple["WholeLeaf", ...]:
     """The sharded params stage 3 gathers whole, at once, before the loss (`step.materialize`:
     `stage3.gather_leaf`), not one layer at a time: every sharded leaf without a 'layers'
-    logical axis, largest first. Empty below stage 3 or with one shard (nothing is
-    gathered). `whole_gather_line` says it in one line, `whole_gather_warning` warns."""
+    logical axis and not used on its vocabulary shards (`vocab_dims`), largest first.
+    Empty below stage 3 or with one shard (nothing is gathered). `whole_gather_line` says
+    it in one line, `whole_gather_warning` warns."""
     if not self.behaviour.shards_params:
       return ()
     is_dim = lambda d: d is None
     paths = jax.tree_util.tree_flatten_with_path(self.params)[0]
     dims = jax.tree.leaves(self.param_dims, is_leaf=is_dim)
+    if self.vocab_dims is not None:  # Used in place: never gathered.
+      dims = [d if v is None else None for d, v in zip(
+          dims, jax.tree.leaves(self.vocab_dims, is_leaf=is_dim), strict=True)]
     layered = jax.tree.leaves(self.per_layer)
     names = self._names()
     stacks: dict[tuple, set[tuple[int, int]]] = {}  # Module path -> (layers dim, layers).
@@ -577,7 +589,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
               offload: bool = False,
               sequence_axes: tuple[str, ...] = (),
               param_offload: bool = False,
-              model_state: PyTree | None = None) -> ZeroPlan:
+              model_state: PyTree | None = None,
+              vocab_parallel: bool = False) -> ZeroPlan:
   """Plans the sharding of a parameter pytree and its optimizer state.
 
   Args:
@@ -602,6 +615,11 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
       `{'batch_stats': ...}` from `jax.eval_shape(model.init, ...)`): carried in
       `TrainState.model_state`, replicated, and handed to the loss function, whose new
       state the step averages over the data-parallel devices (`make_train_step`).
+    vocab_parallel: at stage 3, shard each leaf with a 'vocab' logical axis (and no
+      'layers' one) along it, and hand the model its shard in place of the gathered
+      leaf (`zerojax.vocab.VocabShard`): for a model that computes its embedding and
+      loss on vocabulary shards (`zerojax.vocab.embed`, `nll`). A leaf the shards do not
+      divide is gathered as before.
 
   Returns:
     The `ZeroPlan`.
@@ -650,6 +668,17 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
   per_layer = jax.tree.map(lambda n, _: bool(n and LAYERS_AXIS in n), names, params,
                            is_leaf=_is_names)
   shards = math.prod(mesh.shape[a] for a in shard_axes)
+  vocab_dims = None
+  if vocab_parallel and StageBehaviour.of(stage, shards).shards_params:
+    def vocab_dim(x, n, e, d):
+      if d is None or e is not None or not n or VOCAB_AXIS not in n or LAYERS_AXIS in n:
+        return None
+      v = n.index(VOCAB_AXIS)
+      return v if x.shape[v] % shards == 0 else None
+    vocab_dims = jax.tree.map(vocab_dim, params, names, expert_dims, param_dims,
+                              is_leaf=_is_names)
+    param_dims = jax.tree.map(lambda d, v: d if v is None else v, param_dims, vocab_dims,
+                              is_leaf=lambda d: d is None)
   if opt_state is None:
     opt_state = jax.eval_shape(tx.init, params) if tx is not None else ()
   # A subtree of the state that mirrors the params (Adam's mu and nu, a Kahan buffer)
@@ -673,7 +702,8 @@ def make_plan(mesh: Mesh, stage: int, params: PyTree,
                   per_layer=per_layer, opt_dims=opt_dims, offload=offload,
                   sequence_axes=tuple(sequence_axes), param_offload=param_offload,
                   expert_dims=expert_dims, logical_axes=names,
-                  model_state=None if model_state is None else abstract(model_state))
+                  model_state=None if model_state is None else abstract(model_state),
+                  vocab_dims=vocab_dims)
   if warning := whole_gather_warning(plan):
     warnings.warn(warning, WholeGatherWarning, stacklevel=2)
   return plan

@@ -99,6 +99,10 @@ _ROWS = (
           "use (with release, its update goes straight back).", choices=("none", "host")),
     Field("zero.min_shard_size", 4096, "Leaves with fewer elements stay replicated (DeepSpeed's "
           "persistence threshold).", range=NON_NEGATIVE),
+    Field("zero.vocab_parallel", True, "Stage 3: the embedding and head stay sharded by "
+          "vocabulary rows, used in place, where the tokens a microbatch gathers over the "
+          "shards are fewer than the vocabulary (their activations travel instead: "
+          "zerojax.vocab): no whole vocabulary leaf or gradient on a device."),
     # precision
     Field("precision.param_dtype", "bfloat16", "Stored parameters.", choices=PARAM_DTYPES),
     Field("precision.compute_dtype", "bfloat16", "Activations and matmuls.", choices=PARAM_DTYPES),
@@ -259,7 +263,8 @@ _ROWS = (
           choices=("auto", "blocked", "dot_product")),
     Field("model.attention_block", 512, "llama: query positions per attention block.",
           range=POSITIVE),
-    Field("model.loss_chunk", 1024, "llama: sequence positions per loss chunk (fp32 logits).",
+    Field("model.loss_chunk", 1024, "llama: sequence positions per loss chunk (fp32 logits; "
+          "with the vocabulary sharded, zero.vocab_parallel, their gradient beside them).",
           range=POSITIVE),
     Field("model.activation_offload", "none", "llama: 'host' = what remat saves per layer "
           "(the layer inputs) lives in pinned host memory between the passes, back one layer "

@@ -96,7 +96,7 @@ def single_device_plan(model: Any) -> zero.ZeroPlan:
 def _decode(model, plan, gather, params, tokens, lengths, stops, max_new, seed, settings,
             *, total):
   """One device's rows (runs inside `shard_map`): see `decoder`."""
-  params = step.materialize(plan, params)  # Layer leaves `Sharded` at stage 3.
+  params = step.materialize(plan, params, whole_vocab=True)  # Layers `Sharded` at stage 3.
   if gather == "whole":
     params = stage3.gather(params)
   # On XLA:CPU every gather above finishes before the prefill's layer loop gathers (the

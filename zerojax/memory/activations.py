@@ -66,6 +66,8 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   # Any remat but 'none' runs `stage3.scan_layers` (a layer recomputed from what it saved).
   working = rows * 2 * F * cb + n * 12 * D * 4 if remat == "none" else max(mlp, attention)
   loss = b * min(s.loss_chunk, local) * V * 4  # A chunk of fp32 logits (or their gradient).
+  if s.vocab_sharded:  # The logits of every shard's positions on this one's rows, and
+    loss *= 2  # their gradient beside them (`zerojax.vocab.nll`'s backward).
   if s.model == "mlp_lm":
     loss = 3 * n * V * 4  # Whole fp32 logits, log-softmax and gradient (rough).
   return {"saved activations": saved, "working set": working, "loss chunk": loss,

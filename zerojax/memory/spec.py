@@ -5,7 +5,7 @@ import collections
 import dataclasses
 import math
 
-from zerojax import models
+from zerojax import models, vocab
 from zerojax.config.rules import resolve_mesh_shape
 from zerojax.gpu import xla_flags
 from zerojax.zero import EXPERTS_AXIS, StageBehaviour, local_shape, shard_dim
@@ -86,11 +86,21 @@ class RunSpec:
   # profile, XLA's 95 without it).
   gpu_memory: int = 0
   scheduler_slop: int = 95
+  # The embedding and head kept sharded by vocabulary rows at stage 3 (zero.vocab_parallel,
+  # a Llama): no whole vocabulary leaf or gradient (`zerojax.vocab`).
+  vocab_parallel: bool = False
 
   @property
   def gathers(self) -> bool:
     """Stage 3's per-layer gathers run: params sharded over more than one device."""
     return self.behaviour.shards_params and self.fsdp > 1
+
+  @property
+  def vocab_sharded(self) -> bool:
+    """The step uses the vocabulary leaves on their shards (`zero.make_plan`'s
+    `vocab_parallel`: stage 3 over shards that divide the vocabulary)."""
+    return (self.vocab_parallel and self.gathers and self.vocab_size % self.fsdp == 0
+            and vocab.pays(self.batch * self.positions * self.fsdp, self.vocab_size))
 
   @property
   def mlp_width(self) -> int:
@@ -130,6 +140,7 @@ class RunSpec:
         experts_per_token=int(m.get("experts_per_token", 0)),
         expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
         write_behind=behind, writes_first=bool(o.get("release_writes_first", False)),
+        vocab_parallel=bool(config.zero.get("vocab_parallel", False)) and m.name == "llama",
         scheduler_slop=xla_flags.scheduler_slop(behind) if config.xla.get("gpu_profile", True)
         else xla_flags.DEFAULT_SLOP)
 

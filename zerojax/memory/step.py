@@ -207,6 +207,10 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
         pb * (1 if s.release else 2) if platform.backend() == "gpu" else 4)
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
     vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0
+    if s.vocab_sharded:  # Used on its shard (`zerojax.vocab`): the shard's fp32 gradient
+      # summed over the loss chunks (the sum so far and the chunk's) and the shard cast
+      # to the compute dtype; nothing gathered.
+      vocab_gathered, head_grad = 0, (2 * 4 + DTYPE_BYTES[s.compute_dtype]) * V * D // s.fsdp
   else:
     gathered = vocab_gathered = head_grad = 0
     copies = pb * V * D  # XLA:CPU copies the embedding (stages 0-2).
@@ -219,6 +223,8 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   # fits under the limit is counted (0.79 of 3.91 GiB on 16 devices, below its peak).
   early = pb * sum(math.prod(shape) for shape, _, is_vocab, _ in _leaves(s) if is_vocab) if (
       in_gather and not s.release and platform.backend() == "gpu") else 0
+  if early and s.vocab_sharded:  # The lookup's fp32 gradient shard, zero-initialized.
+    early = 4 * V * D // s.fsdp
   if early:
     limit = _scheduler_limit(s, device_memory, state)
     if limit is not None:

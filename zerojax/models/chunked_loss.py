@@ -26,6 +26,22 @@ def chunked_nll(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: j
   Returns:
     The float32 scalar sum over B x T positions of nll x weights, divided by B x T.
   """
+  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [B, size] -> scalar.
+    z = head(x)
+    logz = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((logz - picked) * weights)
+
+  return chunked(chunk_nll, x, targets, chunk, weights)
+
+
+def chunked(chunk_loss: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+            x: jax.Array, targets: jax.Array, chunk: int,
+            weights: jax.Array | None = None) -> jax.Array:
+  """`chunked_nll` with the chunk's loss given: `chunk_loss(x [B, C, D], targets
+  int32[B, C], weights float32[B, C])` -> the float32 sum of its weighted nll (e.g.
+  `zerojax.vocab.nll` on a vocabulary-sharded head), each chunk under `jax.checkpoint`;
+  the sum over the chunks divided by B x T."""
   B, T, _ = x.shape
   size = min(chunk, T)
   n = -(-T // size)
@@ -34,14 +50,8 @@ def chunked_nll(head: Callable[[jax.Array], jax.Array], x: jax.Array, targets: j
       B, n, size, *a.shape[2:]).swapaxes(0, 1)
   weights = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
 
-  @jax.checkpoint
-  def chunk_nll(x, targets, weights):  # [B, size, D], [B, size], [B, size] -> scalar.
-    z = head(x)
-    logz = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((logz - picked) * weights)
-
-  total, _ = jax.lax.scan(lambda acc, xs: (acc + chunk_nll(*xs), None),
+  one = jax.checkpoint(chunk_loss)
+  total, _ = jax.lax.scan(lambda acc, xs: (acc + one(*xs), None),
                           jnp.zeros((), jnp.float32),
                           (chunks(x), chunks(targets), chunks(weights)))
   return total / (B * T)

@@ -38,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zerojax import sequence
+from zerojax import sequence, vocab
 from zerojax.layered import LayeredLoss
 from zerojax.models import chunked_loss, moe, tiled
 from zerojax.models.attention import (
@@ -509,9 +509,12 @@ class Llama(nn.Module):
 
   def embed(self, tokens: jax.Array) -> jax.Array:
     """int32[B, T] -> [B, T, D] (compute dtype): the embedding, times sqrt(D) rounded to
-    the param dtype with `scale_embeddings` (as Gemma's)."""
+    the param dtype with `scale_embeddings` (as Gemma's). A vocabulary-sharded table
+    (`zerojax.vocab.VocabShard`, stage 3) is read on its shards (`zerojax.vocab.embed`)."""
     c = self.config
-    x = self.embed_tokens(tokens)
+    table = _vocab_shard(self.variables.get("params", {}), ("embed_tokens", "embedding"))
+    x = self.embed_tokens(tokens) if table is None else vocab.embed(table, tokens,
+                                                                     c.compute_dtype)
     if not c.scale_embeddings:
       return x
     return x * jnp.asarray(math.sqrt(c.d_model), c.param_dtype).astype(x.dtype)
@@ -536,6 +539,10 @@ class Llama(nn.Module):
                          x, cos, sin, segment_ids, policy=policy(c.remat),
                          offload=c.activation_offload == "host")
     return self.layers(x, (cos, sin), segment_ids)[0]
+
+  def final_norm(self, x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., D]: the norm before the head."""
+    return self.norm(x)
 
   def head(self, x: jax.Array) -> jax.Array:
     """[..., D] hidden states -> float32[..., V] logits (final norm, then the head)."""
@@ -592,8 +599,23 @@ def head_loss(config: LlamaConfig, params: Params, x: jax.Array, targets: jax.Ar
   final norm and head, `loss_chunk` positions at a time (`chunked_nll`: no whole-sequence
   fp32 logits); `params`: the non-layer leaves. Returns the float32 sum over B x T
   positions of nll x loss_mask (float[B, T], default 1) / (B x T)."""
-  head = lambda h: Llama(config).apply({"params": params}, h, method=Llama.head)
+  model = Llama(config)
+  shard = _vocab_shard(params, ("embed_tokens", "embedding") if config.tie_embeddings
+                       else ("lm_head", "kernel"))
+  if shard is not None:  # Stage 3 with the vocabulary sharded: the loss on its shards.
+    def chunk_loss(h, targets, weights):
+      h = model.apply({"params": params}, h, method=Llama.final_norm)
+      return vocab.nll(h, shard, targets, weights, config.compute_dtype)
+    return chunked_loss.chunked(chunk_loss, x, targets, config.loss_chunk, loss_mask)
+  head = lambda h: model.apply({"params": params}, h, method=Llama.head)  # noqa: E731
   return chunked_loss.chunked_nll(head, x, targets, config.loss_chunk, loss_mask)
+
+
+def _vocab_shard(params: Any, path: tuple[str, str]) -> vocab.VocabShard | None:
+  """The `VocabShard` at `path` of `params` (a stage-3 step's, `step.materialize`), or
+  None where the leaf is an array (or absent, as in init)."""
+  leaf = params.get(path[0], {}).get(path[1]) if hasattr(params, "get") else None
+  return leaf if isinstance(leaf, vocab.VocabShard) else None
 
 
 def init_params(config: LlamaConfig, rng: jax.Array, seq_len: int = 1) -> Params:
@@ -683,6 +705,8 @@ class LlamaLM:
   `logical_axes()`, `param_shapes()`, plus `logits(params, tokens)`.
   """
   config: LlamaConfig
+  # Its loss reads a vocabulary-sharded embedding and head (`zerojax.vocab`) in place.
+  vocab_parallel = True
 
   def init(self, rng: jax.Array) -> Params:
     """Unboxed params in `param_dtype` (for `zerojax.init_state`)."""
