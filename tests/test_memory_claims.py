@@ -81,23 +81,23 @@ ADAMW = ("optimizer.name=adamw", "optimizer.b2=0.95")
 # README "70B full fine-tune on one 8x80 GB node": label in results/gpu_targets.json ->
 # (B/param, planner, planner host, XLA's GPU compiler, its host, fits, XLA:CPU).
 TABLE_70B = {
-    "70b: Lion + Kahan + release": ("6.06", "63.98 GiB", None, "62.09 GiB", None, True,
-                                    "63.79 GiB"),
-    "70b: AdamW + Kahan + release + offload": ("8.06", "31.12 GiB", "49.28 GiB", "30.92 GiB",
-                                               "49.28 GiB", True, "30.93 GiB"),
-    "70b: AdamW + Kahan + release": ("8.06", "80.40 GiB", None, "78.84 GiB", None, False,
-                                     "80.21 GiB"),
-    "70b: Lion + Kahan, no release": ("8", "96.74 GiB", None, "94.03 GiB", None, False,
-                                      "95.63 GiB"),
-    "70b: AdamW + Kahan, no release": ("10", "113.16 GiB", None, "110.46 GiB", None, False,
-                                       "112.49 GiB"),
-    "70b: Lion + stochastic rounding + release": ("4.06", "47.55 GiB", None, "46.09 GiB", None,
-                                                  True, "47.23 GiB"),
-    "70b: Lion + Kahan + release, no XLA flag profile": ("6.06", "63.98 GiB", None,
-                                                         "63.11 GiB", None, False, None),
+    "70b: Lion + Kahan + release": ("6.06", "59.75 GiB", None, "59.44 GiB", None, True,
+                                    "61.46 GiB"),
+    "70b: AdamW + Kahan + release + offload": ("8.06", "26.90 GiB", "49.28 GiB", "28.04 GiB",
+                                               "49.28 GiB", True, "28.61 GiB"),
+    "70b: AdamW + Kahan + release": ("8.06", "76.18 GiB", None, "76.10 GiB", None, False,
+                                     "77.89 GiB"),
+    "70b: Lion + Kahan, no release": ("8", "92.82 GiB", None, "91.28 GiB", None, False,
+                                      "92.66 GiB"),
+    "70b: AdamW + Kahan, no release": ("10", "109.25 GiB", None, "107.71 GiB", None, False,
+                                       "110.31 GiB"),
+    "70b: Lion + stochastic rounding + release": ("4.06", "43.32 GiB", None, "43.06 GiB", None,
+                                                  True, "45.04 GiB"),
+    "70b: Lion + Kahan + release, no XLA flag profile": ("6.06", "59.75 GiB", None,
+                                                         "59.21 GiB", None, False, None),
     # The 8 x A100 40GB paragraph (release, 8 microbatches, offload).
     "70b: AdamW + Kahan + release x8 microbatches + offload": (
-        None, "31.12 GiB", "49.28 GiB", "30.93 GiB", "49.28 GiB", True, None),
+        None, "26.90 GiB", "49.28 GiB", "27.84 GiB", "49.28 GiB", True, None),
 }
 
 
@@ -130,9 +130,9 @@ def test_the_calibration_range_of_the_recorded_configs():
     e, _ = planned(os.path.basename(r["config"])[:-3], r["overrides"], r["target"])
     assert e.total == r["planner"], r["label"]
   ratios = sorted(f"{r['planner'] / r['gpu']:.2f}" for r in rows.values())
-  assert (ratios[0], ratios[-1]) == ("0.98", "1.03"), ratios
+  assert (ratios[0], ratios[-1]) == ("0.98", "1.05"), ratios
   by = lambda label: stated(rows[label]["gpu"], "0.00 GiB")
-  assert (by("configs/70b_bf16.py"), by("configs/8b_bf16.py")) == ("28.42 GiB", "17.23 GiB")
+  assert (by("configs/70b_bf16.py"), by("configs/8b_bf16.py")) == ("28.42 GiB", "13.61 GiB")
 
 
 def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
@@ -166,12 +166,12 @@ def test_the_largest_models_per_gpu_fit_by_the_gpu_compiler():
             else pcie[1] == r["gpu_d2h"]), name
   node = lambda r: (r["gpu_host"] + r["gpu_host_temporaries"]) * targets.parse(  # noqa: E731
       r["target"]).devices
-  assert stated(rows["405b_8xh200"]["gpu"], "122.64 GiB") == "122.64 GiB"
+  assert stated(rows["405b_8xh200"]["gpu"], "115.34 GiB") == "115.34 GiB"
   assert stated(node(rows["405b_8xh200"]), "1.60 TiB") == "1.60 TiB"
   assert stated(rows["405b_1xh200"]["gpu"], "64.56 GiB") == "64.56 GiB"
   assert stated(node(rows["405b_1xh200"]), "1.53 TiB") == "1.53 TiB"
   assert max(node(rows["405b_8xh200"]), node(rows["405b_1xh200"])) <= 2 * 2**40
-  assert stated(rows["70b_1xh100"]["gpu"], "65.07 GiB") == "65.07 GiB"
+  assert stated(rows["70b_1xh100"]["gpu"], "65.02 GiB") == "65.02 GiB"
   assert stated(node(rows["70b_1xh100"]), "390.34 GiB") == "390.34 GiB"
   assert stated(rows["70b_1x4090"]["gpu"], "19.70 GiB") == "19.70 GiB"
   assert stated(node(rows["70b_1x4090"]), "395.34 GiB") == "395.34 GiB"
@@ -248,8 +248,8 @@ def test_the_moe_recipes_fit_by_the_gpu_compiler_and_the_planner_within_5_percen
     e, budget = planned(os.path.basename(r["config"])[:-3], r["overrides"], r["target"])
     assert (e.total, e.host_total, budget) == (r["planner"], r["planner_host"], r["budget"])
     assert r["fits"] and abs(r["planner"] / r["gpu"] - 1) < 0.05, r["label"]
-  assert stated(a3b["gpu"], "41.48 GiB") == "41.48 GiB" and a3b["gpu"] <= 70 * 2**30
-  assert stated(a22b["gpu"], "98.33 GiB") == "98.33 GiB"
+  assert stated(a3b["gpu"], "40.94 GiB") == "40.94 GiB" and a3b["gpu"] <= 70 * 2**30
+  assert stated(a22b["gpu"], "96.89 GiB") == "96.89 GiB"
   assert stated(a22b["gpu_host"] * 8, "875.79 GiB") == "875.79 GiB"  # A node's.
   assert a22b["gpu_host"] * 8 <= 2 * 2**40
   assert stated(mixtral["gpu"], "53.03 GiB") == "53.03 GiB"
@@ -320,17 +320,19 @@ def test_every_offloading_recipe_fits_with_its_whole_run():
       "4.16 GiB", "4.04 GiB", "19.70 GiB"]
   assert stated(by["8b_1x4090.py"]["phases"]["init"], "1.97 GiB") == "1.97 GiB"
   assert {r["peak_phase"] for r, _ in rows} == {"train_step"}
-  # README "Smaller cards": each recipe's next phase, the eval step.
-  for name, text in README_NEXT_PHASE.items():
+  # README "Smaller cards": each recipe's next phase.
+  for name, (phase, text) in README_NEXT_PHASE.items():
     phases = dict(by[f"{name}.py"]["phases"])
     del phases["train_step"]
-    assert max(phases, key=phases.get) == "eval_step", name
-    assert stated(phases["eval_step"], text) == text, name
+    assert max(phases, key=phases.get) == phase, name
+    assert stated(phases[phase], text) == text, name
 
 
-README_NEXT_PHASE = {"70b_8x4090": "7.26 GiB", "70b_8xl40s": "23.20 GiB", "8b_1x4090": "2.49 GiB",
-                     "405b_8xh200": "111.75 GiB", "405b_1xh200": "15.33 GiB",
-                     "70b_1xh100": "8.17 GiB", "70b_1x4090": "5.71 GiB"}
+README_NEXT_PHASE = {
+    "70b_8x4090": ("checksums", "4.65 GiB"), "70b_8xl40s": ("eval_step", "20.07 GiB"),
+    "8b_1x4090": ("eval_step", "2.49 GiB"), "405b_8xh200": ("eval_step", "106.71 GiB"),
+    "405b_1xh200": ("eval_step", "15.33 GiB"), "70b_1xh100": ("eval_step", "8.17 GiB"),
+    "70b_1x4090": ("eval_step", "5.71 GiB")}
 
 
 # The shipped configs that keep state or saved activations in host memory.
@@ -352,7 +354,9 @@ def test_the_normal_stage_3_step_on_a_gpu_peaks_at_its_start_with_room_and_not_w
   assert "temporaries at the peak: forward start" in text
   e, _ = planned("70b_bf16", (), "h100:64")
   assert stated(e.total, "28.34 GiB") == "28.34 GiB" and e.peak_phase == "forward start"
-  wide, _ = planned("70b_bf16", ("train.global_batch_size=16",), "h100:16")
+  # (The vocabulary gathered: 16 x 4096 tokens would keep it sharded, its buffers 0.24 GiB.)
+  wide, _ = planned("70b_bf16", ("train.global_batch_size=16", "zero.vocab_parallel=False"),
+                    "h100:16")
   assert stated(wide.components["vocab gradient buffers"], "0.79 GiB") == "0.79 GiB"
   assert wide.peak_phase == "layer backward"
   # `--compile`'s attribution: four bf16 vocabulary copies live at that peak (the dump of
@@ -361,3 +365,33 @@ def test_the_normal_stage_3_step_on_a_gpu_peaks_at_its_start_with_room_and_not_w
   buffers = [(copy, "bf16[128256,8192]", "e"), (copy, "bf16[8192,128256]", "h")] * 2
   assert attribute(e.setup, buffers) == {"gathered head": 2 * copy,
                                          "vocab gradient buffers": 2 * copy}
+
+
+def test_beside_the_peer_step():
+  """README "Beside a peer's step": `benchmarks/results/peer_step.json` (recorded by
+  `python benchmarks/peer_step.py [--config.optimizer.update_rule=nearest]`) holds the 8B's
+  peer and zerojax steps for configs/8b_bf16.py as it resolves today, to the digits the
+  README states; zerojax's Kahan step under MaxText's 14.88 GB for the same 8 bytes of
+  state a param, its nearest one under MaxText's bf16 12.87 GB (issue 53's figures)."""
+  with open(os.path.join(ROOT, "benchmarks", "results", "peer_step.json")) as f:
+    record = json.load(f)
+  gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+  found = {}
+  for key, overrides in (("configs/8b_bf16.py h100:8", []),
+                         ("configs/8b_bf16.py optimizer.update_rule=nearest h100:8",
+                          ["optimizer.update_rule=nearest"])):
+    run = record[key]
+    config = load_config(os.path.join(ROOT, "configs", "8b_bf16.py"), overrides,
+                         num_devices=8)
+    assert run["digest"] == digest(config), key
+    peer, ours = run["steps"]
+    assert "MaxText" in peer["step"] and ours["step"] == "zerojax"
+    assert peer["hlo_flops"] == ours["hlo_flops"]
+    found[key] = [gb(x) for x in (peer["arguments"], peer["temporaries"], peer["total"],
+                                  ours["arguments"], ours["temporaries"], ours["total"])]
+    assert ours["total"] < (12.87e9 if overrides else 14.88e9), key  # MaxText's.
+  assert list(found.values()) == [
+      ["6.02", "7.15", "13.18", "8.03", "6.58", "14.61"],
+      ["6.02", "7.15", "13.18", "6.02", "6.58", "12.60"]]
+  assert f"{peer['hlo_flops'] / 1e12:.1f}" == "250.3"
+
