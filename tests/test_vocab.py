@@ -5,12 +5,15 @@ Each case trains one step of a small Llama on 8 CPU devices twice, the vocabular
 gathered and kept sharded, in fp32: the loss, the gradient norm and every param after
 the update agree within 1e-6 of the leaf's size. The cases between them cover tied and
 untied embeddings, a data x fsdp mesh, packed SFT rows (segment ids, positions, a loss
-mask), gradient release with optimizer and param offload, and sequence parallelism. (A
+mask), and gradient release with optimizer and param offload under sequence
+parallelism. (A
 1024-token vocabulary: the vocabulary stays sharded where a microbatch's tokens over the
 shards are fewer, `vocab.pays`; the quick start's 256-byte one is gathered.)
 """
 
 import os
+import re
+import tempfile
 
 import jax
 import numpy as np
@@ -19,6 +22,8 @@ import pytest
 import zerojax
 from zerojax import build, memory
 from zerojax.config import load_config
+from zerojax.gpu import compile as gpu_compile, targets
+from zerojax.runtime import xla_dump
 from zerojax.testing import hlo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,12 +34,10 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "optimizer.grad_clip=0", "zero.min_shard_size=0"]
 CASES = {
     "untied, data x fsdp, packed rows": ["mesh.data=2", "train.global_batch_size=8"],
-    "tied, release, offload": ["model.tie_embeddings=True", "train.global_batch_size=8",
-                               "optimizer.release=True", "optimizer.offload=host",
-                               "zero.param_offload=host"],
-    "sequence parallel": ["mesh.sequence_parallel=True", "mesh.data=1", "model.n_heads=8",
-                          "model.n_kv_heads=8",
-                          "train.global_batch_size=2"],
+    "tied, release, offload, sequence parallel": [
+        "model.tie_embeddings=True", "optimizer.release=True", "optimizer.offload=host",
+        "zero.param_offload=host", "mesh.sequence_parallel=True", "mesh.data=1",
+        "model.n_heads=8", "model.n_kv_heads=8", "train.global_batch_size=2"],
 }
 
 
@@ -111,3 +114,36 @@ def test_no_vocabulary_sized_buffer_or_gather_in_the_sharded_step():
       assert reductions and all(c.dtypes == {"f32"} for c in reductions), reductions
   whole = {(1024, 64), (64, 1024)}
   assert whole <= shapes[False] and not whole & shapes[True]
+
+
+def buffer_shapes(name, target):
+  """Every value's shape in the buffer assignment of configs/`name`.py's step, compiled by
+  XLA's GPU compiler for `target` at one layer (the vocabulary's buffers do not depend
+  on the depth), its (V, D) and its shard count."""
+  spec = targets.parse(target)
+  config = load_config(os.path.join(ROOT, "configs", f"{name}.py"), ["model.n_layers=1"],
+                       num_devices=spec.devices)
+  built = build.build(config, jax.devices()[:spec.devices])
+  with tempfile.TemporaryDirectory() as dump:
+    gpu_compile.compile_step(built, config, spec, dump_to=dump)
+    with open(xla_dump.step_files(dump) + "-buffer-assignment.txt") as f:
+      text = f.read()
+  shapes = {tuple(int(n) for n in dims.split(",") if n) for dims in re.findall(
+      r"value: <\d+ \S+(?: \(phi\))? @\S+> \(size=\d+,offset=\d+\): \w+\[([\d,]*)\]", text)}
+  return shapes, (config.model.vocab_size, config.model.d_model), spec.devices
+
+
+@pytest.mark.skipif(not targets.plugin_installed(), reason="XLA's GPU compiler is in JAX's "
+                    "CUDA plugin: pip install -e '.[gpu-compile]'")
+def test_no_vocabulary_sized_buffer_in_the_recipes_compiled_for_their_gpus():
+  """Issue 53: XLA's GPU compiler's buffer assignment of the stage-3 step of the 8B
+  (h100:8), the 70B recipe (release, h100:8) and Gemma 3 27B (tied, a 262,208-row
+  vocabulary, h100:4) holds no value of the vocabulary's full size, [V, D] or [D, V], in
+  any dtype, at any time, where its shard's rows are (the buffers are read). Gathered,
+  the 8B's step held f32[4096,128256] and f32[128256,4096] at its peak (issue 53)."""
+  for name, target in (("8b_bf16", "h100:8"), ("70b_8x80gb", "h100:8"),
+                       ("gemma3_27b_4x80gb", "h100:4")):
+    shapes, (V, D), n = buffer_shapes(name, target)
+    assert {(V // n, D), (D, V // n)} & shapes, name
+    assert not {(V, D), (D, V)} & shapes, name
+
