@@ -249,7 +249,7 @@ def _compiled_phases(config, built, compiled, out) -> None:
                 outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
                 host_arguments=m.host_argument_size_in_bytes,
                 host_outputs=m.host_output_size_in_bytes)
-    got = run_phases.phase_memory(config, built=built, known=dict(train_step=[step]))
+    got = run_phases.beside_step(config, None, run_phases.PHASES, built, step)
     out["compiled_phases"] = {p: v["device"] for p, v in got.items()}
     out["compiled_peak_phase"] = run_phases.whole_run(got)[0]
   except Exception as e:  # pylint: disable=broad-except  (a row without it still counts)

@@ -131,8 +131,7 @@ def measure(label, name, overrides, target, cpu):
              gpu_host_temporaries=out["host_temporaries"],
              gpu_h2d=moved[0], gpu_d2h=moved[1], gpu_seconds=time.perf_counter() - start)
   if offloads(config):  # The run's other phases, the step's compile reused (issue 52).
-    phased = run_phases.phase_memory(config, spec, built=built,
-                                     known=dict(train_step=[out]))
+    phased = run_phases.beside_step(config, spec, run_phases.PHASES, built, out)
     row["peak_phase"], row["whole_run"] = run_phases.whole_run(phased)
     row["phases"] = {phase: m["device"] for phase, m in phased.items()}
     row["gpu_seconds"] = time.perf_counter() - start

@@ -210,8 +210,7 @@ def setup(argv: list[str], cleanup: contextlib.ExitStack) -> Run:
     text = train_step.as_text() if jax.devices()[0].platform == "gpu" else ""
   del mem["seconds"]
   # The run's other phases for a target: init, eval, checksums, generation (issue 52).
-  phased = spec and run_phases.phase_memory(config, spec, args.phases, built=built,
-                                            known=dict(train_step=[mem]))
+  phased = spec and run_phases.beside_step(config, spec, args.phases, built, mem)
   if text:  # The host copies the module makes a step, beside the planner's below.
     mem = memory_report.with_traffic(mem, text, *memory_report.schedule_rates(
         spec, c.train.peak_flops))

@@ -146,13 +146,16 @@ def nll(x: jax.Array, shard: VocabShard, targets: jax.Array, weights: jax.Array,
   return _nll(x, shard.value, targets, weights, shard.dim, shard.axes, jnp.dtype(dtype))
 
 
-def _logits(x_all, head, dim, dtype):
-  """fp32 logits of this shard's rows: [n, ..., D] x head ([D, v] or [v, D] rows)."""
-  return jax.lax.dot_general(x_all.astype(dtype), head.astype(dtype),
-                             (((x_all.ndim - 1,), (1 - dim,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-
-
+def _shard_logits(x, head, targets, dim, axes, dtype):
+  """(every device's x [n, ..., D], the fp32 logits [n, ..., v] of this shard's rows of
+  the head ([D, v], or [v, D] rows), every device's targets as rows of this shard
+  (clipped), whether each is one): the forward's and the backward's."""
+  x_all = _gathered(x, axes)
+  z = jax.lax.dot_general(x_all.astype(dtype), head.astype(dtype),
+                          (((x_all.ndim - 1,), (1 - dim,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+  rows, inside = _local(_gathered(targets, axes), _first_row(head, dim, axes), z.shape[-1])
+  return x_all, z, rows, inside
 
 
 def _at_targets(z, rows):
@@ -167,8 +170,7 @@ def _nll(x, head, targets, weights, dim, axes, dtype):
 
 
 def _nll_fwd(x, head, targets, weights, dim, axes, dtype):
-  z = _logits(_gathered(x, axes), head, dim, dtype)
-  rows, inside = _local(_gathered(targets, axes), _first_row(head, dim, axes), z.shape[-1])
+  _, z, rows, inside = _shard_logits(x, head, targets, dim, axes, dtype)
   top = jax.lax.pmax(jnp.max(z, axis=-1), axes)
   logz = top + jnp.log(jax.lax.psum(jnp.sum(jnp.exp(z - top[..., None]), axis=-1), axes))
   picked = jax.lax.psum(jnp.where(inside, _at_targets(z, rows), 0.0), axes)
@@ -182,9 +184,7 @@ def _nll_fwd(x, head, targets, weights, dim, axes, dtype):
 
 def _nll_bwd(dim, axes, dtype, residuals, g):
   x, head, targets, weights, logz = residuals
-  x_all = _gathered(x, axes)
-  z = _logits(x_all, head, dim, dtype)
-  rows, inside = _local(_gathered(targets, axes), _first_row(head, dim, axes), z.shape[-1])
+  x_all, z, rows, inside = _shard_logits(x, head, targets, dim, axes, dtype)
   # Each position's cotangent: its owner's g times its weight.
   scale = (_gathered(g, axes).reshape((-1,) + (1,) * (weights.ndim))
            * _gathered(weights.astype(jnp.float32), axes))

@@ -123,6 +123,14 @@ def phase_memory(config, spec=None, phases=PHASES, built=None, known=None
   return out
 
 
+def beside_step(config, spec, phases, built, step: dict) -> dict[str, dict] | None:
+  """`phase_memory` of `phases` with the step's compile (`step`, a `compiled` dict) reused;
+  None where `phases` is the step alone (its verdict is the step's)."""
+  if set(phases) <= {"train_step"}:
+    return None
+  return phase_memory(config, spec, phases, built=built, known=dict(train_step=[step]))
+
+
 def whole_run(result: dict[str, dict]) -> tuple[str, int]:
   """(the phase that sets the run's device peak, its bytes a device) of `phase_memory`."""
   top = max(result, key=lambda p: result[p]["device"])

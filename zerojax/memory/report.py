@@ -396,9 +396,8 @@ def _main(argv: list[str]) -> int:
   if args.compile:
     compiled, attributed, built = compile_and_attribute(
         config, e, spec, schedule_rates(spec, config.train.peak_flops, args.mfu, bandwidth))
-    if spec:  # The run's other phases, the step's compile reused (issue 52).
-      phased = run_phases.phase_memory(config, spec, phases, built=built,
-                                       known=dict(train_step=[compiled]))
+    if spec:  # The run's other phases (issue 52).
+      phased = run_phases.beside_step(config, spec, phases, built, compiled)
   with for_target(spec):  # Each suggestion's estimate is the target's too.
     found = suggestions(e.setup, **fit)
   generation = generation_cache(config, args.devices, args.generate, p.error)
@@ -529,7 +528,7 @@ def format_target_verdict(spec, where: tuple[int, float], device_memory: int,
             + (f" + {fmt_bytes(host)} in host memory ({host_parts(compiled)}; "
                f"{fmt_bytes(host * min(spec.per_host, DEVICES_PER_NODE))} per host)"
                if host else ""))
-    if phased and len(phased) > 1:
+    if phased:
       top, total = run_phases.whole_run(phased)
       lines += [step + " for the step", "the run's phases, GiB a device "
                 "(python -m zerojax.memory.phases):", *run_phases.lines(phased)]
@@ -550,8 +549,8 @@ def phases_arg(text: str, error) -> tuple[str, ...]:
 
 def compiled_peak(compiled: dict, phased: dict | None) -> int:
   """The device bytes a GPU-target verdict judges: the largest phase's, else the step's."""
-  step = compiled["arguments"] + compiled["temporaries"]
-  return max(step, run_phases.whole_run(phased)[1]) if phased else step
+  return (run_phases.whole_run(phased)[1] if phased
+          else compiled["arguments"] + compiled["temporaries"])
 
 
 def traffic_line(compiled: dict, e: Estimate) -> str:
