@@ -328,4 +328,7 @@ def test_two_train_steps_alternated_without_blocking_do_not_abort_on_fake_cpu_de
   assert guarded.stdout.startswith("done: 120 steps of each"), guarded.stdout
   assert unguarded.returncode == -6, (unguarded.returncode, unguarded.stdout,
                                       unguarded.stderr[-2000:])
-  assert "Termination timeout for `all" in unguarded.stderr, unguarded.stderr[-2000:]
+  # A collective's rendezvous timed out: an all-gather or all-reduce mostly, a reduce-
+  # scatter once (whichever collective the devices' threads were split over).
+  assert re.search(r"Termination timeout for `(all|reduce)", unguarded.stderr), (
+      unguarded.stderr[-2000:])
