@@ -108,9 +108,12 @@ def sweep(data: str, tokenizer: str) -> None:
 def test_stage3_trains_on_every_mesh_vocab_and_layout(tmp_path):
   pytest.importorskip("tokenizers")
   data, tokenizer = write_task(str(tmp_path))
-  # LLVM at -O0: the compiles in half the time, the HLO schedule train.py's (the
-  # code before the fix aborts in the first configuration with it too).
-  env = fake_devices_env(8, *CPU_MEMORY_FLAGS, "--xla_backend_optimization_level=0")
+  # The suite's quicker code generation (conftest.FAST_COMPILE: LLVM at -O0, the legacy
+  # fusion emitters, one codegen chunk) beside train.py's memory flags: the HLO schedule
+  # is train.py's scheduler's, and the code before the fix aborts in the first
+  # configuration with them too (tests/mutations.sh's stage3_order).
+  from conftest import FAST_COMPILE  # noqa: PLC0415  (not in the child: its devices)
+  env = fake_devices_env(8, *CPU_MEMORY_FLAGS, *FAST_COMPILE)
   out = subprocess.run([sys.executable, __file__, data, tokenizer], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
   runs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
