@@ -5,20 +5,22 @@ stage 3 that is one fp32 gradient shard per local param, alive at once (4 bytes 
 param / devices). Here the backward pass is an explicit loop over the layers in
 reverse, and layer i's shard is updated as soon as its gradient exists:
 
-1. forward: `embed`, then the layers under `lax.scan`, each gathered
+1. forward (`_forward`): `embed`, then the layers under `lax.scan`, each gathered
    (`stage3.gather_leaf`) and its input saved (full remat);
-2. the head's loss and, by `jax.vjp`, its cotangent;
-3. for i = L-1 ... 0: gather layer i again, `jax.vjp` of the layer with respect to
-   its shard cast to the reduce dtype and its input. The gather's backward pass
-   reduce-scatters the layer's gradient in fp32, so the cotangent of the shard is
-   already summed over the ZeRO axes (the replica axes are `psum`med). The optimizer
-   then updates layer i's shard of the params and of its state in place and the
-   gradient is dropped: no fp32 gradient of the layer stack ever exists;
+2. the head's loss and, by `jax.vjp`, its cotangent (`_head`);
+3. for i = L-1 ... 0 (`_backward`, a trip each `_layer_trip`): gather layer i again,
+   `jax.vjp` of the layer with respect to its shard cast to the reduce dtype and its
+   input. The gather's backward pass reduce-scatters the layer's gradient in fp32, so
+   the cotangent of the shard is already summed over the ZeRO axes (the replica axes
+   are `psum`med). The optimizer then updates layer i's shard of the params and of its
+   state in place and the gradient is dropped: no fp32 gradient of the layer stack
+   ever exists;
 4. embedding, head and norms outside the stack get their gradients the normal way and
-   are updated after the loop, where the optimizer's scalars (Adam's count) advance,
-   once per step.
+   are updated after the loop (`_update_rest`), where the optimizer's scalars (Adam's
+   count) advance, once per step.
 
-The update runs per device inside `jax.shard_map`, on the local shards. For a leafwise
+One microbatch runs these phases (`_microbatch`), one step its microbatches (`_local`);
+the update runs per device inside `jax.shard_map`, on the local shards. For a leafwise
 optimizer (`optim.LeafwiseTransformation`) an update of a shard with its gradient's
 shard is that shard of the whole update, so with one microbatch and no clipping a
 release step computes what `make_train_step` computes.
@@ -44,9 +46,10 @@ What release changes, each chosen explicitly (`check_release` refuses the rest):
 - Optimizers that are not leafwise are refused.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +122,362 @@ def check_release(plan: zero.ZeroPlan, parts: LayeredLoss,
     raise ValueError(f"gradient release: the leaves under {parts.stack!r} stack "
                      f"different numbers of layers {sorted(depths)}")
   return depths.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Release:
+  """What every phase of one release step reads: fixed when the step is made."""
+  plan: zero.ZeroPlan
+  parts: LayeredLoss
+  depth: int  # Layers in the stack.
+  microbatches: int
+  reduce_dtype: jnp.dtype
+  upcast_params: str
+  clipping: str
+  max_grad_norm: float
+  read_ahead: bool | None
+  write_behind: bool
+  writes_first: bool
+  # Per leaf, how many devices of a shard group hold the same (unsharded) leaf: each
+  # counts 1/copies when the squares are summed over the ZeRO axes (an experts' kernel
+  # is the same on its own ZeRO axes' devices only: each 'expert' device holds others).
+  copies: PyTree
+  mean_scale: jax.Array  # 1 / data-parallel devices, in the reduce dtype.
+  # The optimizer's update of a group of shards: `apply` brings offloaded state slices to
+  # the device itself, `arrived` takes them there already (read ahead), `kept` takes
+  # state kept on the device with its update (written behind).
+  apply: Callable
+  arrived: Callable
+  kept: Callable
+
+  @property
+  def stack(self) -> str:
+    return self.parts.stack
+
+
+class _Trips(NamedTuple):
+  """How the layer loops move offloaded params and state (`_trips`)."""
+  ahead_p: bool  # The params of the layer a trip needs next come in during this one.
+  ahead_s: bool  # The optimizer state likewise (backward pass).
+  behind: bool  # Each layer's update goes back in the next trip (`write_behind`).
+
+
+def _is_dim(d) -> bool:
+  return d is None
+
+
+def _setup(plan: zero.ZeroPlan, parts: LayeredLoss, tx: optax.GradientTransformation,
+           depth: int, **options) -> _Release:
+  copies = jax.tree.map(lambda d, e: 1 if d is not None else plan.shards_of(e),
+                        plan.param_dims, plan.expert_dims, is_leaf=_is_dim)
+  reduce_dtype = jnp.dtype(options.pop("reduce_dtype"))
+  update = functools.partial(updates.apply, tx)
+  return _Release(plan, parts, depth, reduce_dtype=reduce_dtype, copies=copies,
+                  mean_scale=jnp.asarray(1.0 / plan.num_data, reduce_dtype),
+                  apply=streaming.streamed(update, plan),
+                  arrived=streaming.streamed(update, plan, arrived=True), kept=update,
+                  **options)
+
+
+def _trips(r: _Release) -> _Trips:
+  """Read at trace time (`platform.backend` is the target's). Offloaded params and
+  state: the layer a trip needs next comes in while it computes (the forward pass reads
+  layer i+1 during trip i, the backward pass layer i-1, `read_ahead`), carried. Not on
+  XLA:CPU unless asked: its host and device are one RAM (the moves lower to nothing),
+  and there the backward barrier costs a copy of the stacks it reads (43 GiB of
+  optimizer state at 70B). Written behind, a trip reads its own layer's state: read
+  ahead, it would be a third layer's on the device, beside the carried update and the
+  layer read ahead."""
+  plan = r.plan
+  ahead = r.read_ahead if r.read_ahead is not None else platform.backend() != "cpu"
+  behind = r.write_behind and ahead and (plan.param_offload or plan.offload)
+  return _Trips(ahead and plan.param_offload, ahead and plan.offload and not behind, behind)
+
+
+# Helpers of the phases below, each per device inside the step's `shard_map`.
+
+def _cast(r: _Release, tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda x: x.astype(r.reduce_dtype), tree)
+
+
+def _total(r: _Release, x: jax.Array) -> jax.Array:
+  return jax.lax.psum(x, r.plan.shard_axes)
+
+
+def _agree(r: _Release, ok: jax.Array) -> jax.Array:
+  """True on every device when `ok` is on all of them."""
+  return jax.lax.pmin(ok.astype(jnp.int32), r.plan.mesh.axis_names) > 0
+
+
+def _rounding_streams(r: _Release, i) -> PyTree:
+  """Stochastic rounding's bits (`update_rules`, `stream`): each layer's and each
+  shard's own; a leaf every device of the shard group holds whole rounds alike on all."""
+  plan = r.plan
+  return jax.tree.map(
+      lambda d, e: i * plan.num_shards + (
+          0 if d is None else jax.lax.axis_index(plan.axes_of(e))),
+      plan.param_dims, plan.expert_dims, is_leaf=_is_dim)
+
+
+def _factor(r: _Release, squares: jax.Array) -> jax.Array | None:
+  """Per-layer clipping's scale for a group whose squared gradient norm (summed over
+  this device's shards) is `squares`."""
+  if r.clipping != "per_layer":
+    return None
+  return jnp.minimum(1.0, r.max_grad_norm / (jnp.sqrt(_total(r, squares)) + 1e-6))
+
+
+def _clip_to(r: _Release) -> dict:
+  return {"previous_norm": dict(clip_to=r.max_grad_norm)}.get(r.clipping, {})
+
+
+def _gathered(r: _Release, layer: PyTree) -> PyTree:
+  """One layer's shards as the whole params in the param dtype (with `upcast_params`,
+  in the shards' dtype: `step.materialize`). Differentiated with respect to shards in
+  the reduce dtype, the gathers' backward passes reduce-scatter in it; the forward pass
+  gathers the stored shards as they are (an fp32 cast of the scanned stack would be
+  hoisted out of the loop: a whole fp32 copy)."""
+  plan, stack, up = r.plan, r.stack, r.upcast_params
+  return jax.tree.map(
+      lambda d, p, like, e: (p if up == "all" else p.astype(like.dtype))
+      if d is None else stage3.gather_leaf(p, d - 1, plan.axes_of(e), like.dtype, up != "none"),
+      plan.param_dims[stack], layer, plan.params[stack], plan.expert_dims[stack],
+      is_leaf=_is_dim)
+
+
+def _reduced(r: _Release, grads: PyTree, dims: PyTree, experts: PyTree) -> PyTree:
+  """Gradients summed over the axes their shards' gathers did not reduce them over."""
+  return jax.tree.map(
+      lambda d, e, g: step_lib.sum_unreduced(r.plan, g.astype(r.reduce_dtype), d, e),
+      dims, experts, grads, is_leaf=_is_dim)
+
+
+def _without_stack(tree: dict, stack: str) -> dict:
+  return {k: v for k, v in tree.items() if k != stack}
+
+
+def _params_at(r: _Release, views: updates.LayerViews, p: PyTree, i) -> PyTree:
+  return streaming.to_device(views.params(p, i), r.plan.param_offloaded)
+
+
+def _state_at(r: _Release, views: updates.LayerViews, s: PyTree, i) -> PyTree:
+  return streaming.to_device(views.state(s, i), r.plan.opt_offloaded)
+
+
+def _put_back(r: _Release, views: updates.LayerViews, p: PyTree, s: PyTree, update, i):
+  """The stacks with layer i's (params, state) `update`, both on the device, written in
+  place (to host memory where offloaded)."""
+  return (views.put(p, streaming.to_host(update[0], r.plan.param_offloaded), i),
+          views.put_state(s, streaming.to_host(update[1], r.plan.opt_offloaded), i))
+
+
+# The phases of one microbatch: forward, head, the released backward pass, the rest.
+
+def _forward(r: _Release, trips: _Trips, views: updates.LayerViews, rows: PyTree,
+             x: jax.Array, batch: PyTree):
+  """Phase 1: the layers' forward pass, each layer gathered, its input saved (to host
+  memory with `parts.offload`). Returns the last layer's output and the saved inputs."""
+  return streaming.forward_layers(
+      lambda i, layer, x: (r.parts.layer(_gathered(r, layer), x, batch), streaming.outbound(
+          jax.tree.map(stage3.to_bits, x), r.parts.offload)),
+      x, lambda i: _params_at(r, views, rows, i)[r.stack], r.depth, trips.ahead_p)
+
+
+def _head(r: _Release, view: Callable, rest32: PyTree, x: jax.Array, batch: PyTree):
+  """Phase 2: the loss and its cotangents, of the non-stacked leaves (fp32: `rest32`)
+  and of the last layer's output. Returns (loss, d_rest, ct, reported): what the model
+  reports of that output (the routers' statistics), as the loss, the mean over devices."""
+  plan, parts = r.plan, r.parts
+  reported = jax.tree.map(lambda v: jax.lax.pmean(v.astype(jnp.float32), plan.data_axes),
+                          parts.metrics(x, batch) if parts.metrics else {})
+  # On XLA:CPU the head's gathers wait for the forward loop, and the backward loop for
+  # their reduce-scatters (`stage3.after`: no collective beside a loop's).
+  loss, head_vjp = jax.vjp(
+      lambda rest, x: parts.head_loss(view(rest), x, batch).astype(jnp.float32),
+      stage3.after(rest32, x), x)
+  d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
+  return loss, d_rest, stage3.after(ct, d_rest), reported
+
+
+def _layer_trip(r: _Release, trips: _Trips, views: updates.LayerViews, batch: PyTree,
+                phase: dict, i, saved, carry):
+  """Phase 3, one trip of the backward loop: layer i recomputed from its saved input,
+  its gradient reduce-scattered by its gathers' backward, checked, and the layer's
+  shards of params and state updated; the gradient is dropped.
+
+  Written behind (`write_behind`): trip i writes layer i+1's update, carried from the
+  trip before. XLA must finish a trip's reads of a stack before its in-place write into
+  it, and its scheduler does not see the matmuls' time (a gemm costs it almost
+  nothing): left alone it puts both at one end of the trip, one waiting for the other.
+  Reads first, one barrier on the reads, the stacks, the pending update and the
+  residuals of the layer's recomputed forward pass splits the trip: the reads land
+  under the recompute, the writes start after it and run under the backward matmuls.
+  Writes first (`writes_first`), the trip's reads are of the written stacks: each
+  leaf's read follows its write, and no barrier is needed.
+  """
+  plan, stack, depth = r.plan, r.stack, r.depth
+  ct, p, s, skipped, grad_sq, update_sq, (layer_p, state), pending = carry
+  before, written = jnp.maximum(i - 1, 0), jnp.minimum(i + 1, depth - 1)
+  if trips.behind and r.writes_first:
+    p, s = _put_back(r, views, p, s, pending, written)
+  # A read ahead comes before the trip's write of its stack: by `read_ahead`'s barrier,
+  # or written behind, by the barrier below (reads first) or the write before it
+  # (writes first).
+  order = (lambda t, read: (read(t), t)) if trips.behind else streaming.read_ahead
+  if trips.ahead_p:
+    next_p, p = order(p, lambda p: _params_at(r, views, p, before))
+  else:  # Nothing carried: each trip reads its own layer.
+    layer_p, next_p = _params_at(r, views, p, i), None
+  if trips.ahead_s:
+    next_s, s = order(s, lambda s: _state_at(r, views, s, before))
+  elif trips.behind:  # Its own layer's, kept on the device with its update.
+    state, next_s = _state_at(r, views, s, i), None
+  else:  # `apply` brings an offloaded slice over itself.
+    state, next_s = views.state(s, i), None
+  x = jax.tree.map(stage3.from_bits, saved, ct)
+  _, vjp = jax.vjp(lambda q, x: r.parts.layer(_gathered(r, q), x, batch),
+                   _cast(r, layer_p[stack]), x)
+  if trips.behind and not r.writes_first:
+    # This trip's own slices too, if read here: they are read before the write. The
+    # pullback `jax.vjp` returns is a `tree_util.Partial`: its leaves are the residuals,
+    # all computed once the recompute is.
+    residuals, tree = jax.tree.flatten(vjp)
+    next_p, next_s, layer_p, state, p, s, pending, residuals = jax.lax.optimization_barrier(
+        (next_p, next_s, layer_p, state, p, s, pending, residuals))
+    vjp = jax.tree.unflatten(tree, residuals)
+    p, s = _put_back(r, views, p, s, pending, written)
+  g, ct = vjp(ct)
+  g = _reduced(r, g, plan.param_dims[stack], plan.expert_dims[stack])
+  finite = _agree(r, precision.all_finite(g))
+  squares = updates.sum_squares(g, r.copies[stack], r.mean_scale)
+  update = r.kept if trips.behind else r.arrived if trips.ahead_s else r.apply
+  new_p, new_s, update_squares = update(
+      {**layer_p, stack: g}, state, layer_p, finite=finite, scale=r.mean_scale,
+      factor=_factor(r, squares), copies=r.copies, stream=_rounding_streams(r, i),
+      **phase, **_clip_to(r))
+  if trips.behind:  # The next trip writes it.
+    pending = (new_p, new_s)
+  else:  # Straight back (`update` sent the state there).
+    new_p = streaming.to_host(new_p, plan.param_offloaded)
+    p, s = views.put(p, new_p, i), views.put_state(s, new_s, i)
+  return (ct, p, s, skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
+          update_sq + jnp.where(finite, update_squares, 0.0), (next_p, next_s), pending)
+
+
+def _backward(r: _Release, trips: _Trips, views: updates.LayerViews, rows: PyTree,
+              opt_state: PyTree, inputs, ct: jax.Array, batch: PyTree, phase: dict):
+  """Phase 3: the layers' backward pass in reverse, each layer updated in its trip
+  (`_layer_trip`). Returns the cotangent of the first layer's input, the params and
+  state with every layer updated, and the layers' (skipped, squared gradient norm,
+  squared update norm) sums on this device."""
+  zero_sq = jnp.zeros((), jnp.float32)
+  s = views.state_rows(opt_state)
+  last_p = _params_at(r, views, rows, r.depth - 1) if trips.ahead_p or trips.behind else None
+  last_s = _state_at(r, views, s, r.depth - 1) if trips.ahead_s or trips.behind else None
+  first = (last_p if trips.ahead_p else None, last_s if trips.ahead_s else None)
+  # The first trip writes the last layer back as it is (a trip has one code: the write
+  # of one layer more than needed, as the reads' clamped index reads one more).
+  ct, p, s, skipped, grad_sq, update_sq, _, pending = streaming.backward_layers(
+      functools.partial(_layer_trip, r, trips, views, batch, phase),
+      (ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first,
+       (last_p, last_s) if trips.behind else None), inputs, r.depth, r.parts.offload)
+  if trips.behind:  # Layer 0's update, after the loop, back before the embedding's
+    # backward: held on the device through the embedding and head's update instead, it
+    # would sit beside their state (4.8 GiB more for the 70B on one RTX 4090, over its pool).
+    p, s = _put_back(r, views, p, s, pending, 0)
+    p, s, ct = jax.lax.optimization_barrier((p, s, ct))
+  return ct, views.from_rows(p), views.state_from_rows(s), (skipped, grad_sq, update_sq)
+
+
+def _update_rest(r: _Release, p: PyTree, s: PyTree, d_rest: PyTree, grad_sq: jax.Array,
+                 sums: tuple, phase: dict, last):
+  """Phase 4: the leaves outside the stack (embedding, head, norms) reduced and updated,
+  where the optimizer's scalars (Adam's count) advance, once per step (in the last
+  microbatch). With clipping by the previous norm, this step's norm is stored for the
+  next. Returns the params, the state, the rest's finiteness and squared norms."""
+  plan, stack = r.plan, r.stack
+  d_rest = _reduced(r, d_rest, _without_stack(plan.param_dims, stack),
+                    _without_stack(plan.expert_dims, stack))
+  finite = _agree(r, precision.all_finite(d_rest))
+  squares = updates.sum_squares(d_rest, _without_stack(r.copies, stack), r.mean_scale)
+  grad_sq = _total(r, grad_sq + squares)
+  clip_to = _clip_to(r)
+  # (A norm that is not finite is not stored: NaN outside the last microbatch.)
+  norm = {} if not clip_to else dict(grad_norm=jnp.where(
+      last, jnp.sqrt((sums[1] + grad_sq) / r.microbatches), jnp.nan))
+  rest_p, rest_s, update_squares = r.apply(
+      *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
+      finite=finite, scale=r.mean_scale, factor=_factor(r, squares), copies=r.copies,
+      stream=_rounding_streams(r, r.depth), **phase, **clip_to, **norm)
+  p = updates.pick(plan.per_layer, p, rest_p)
+  s = updates.pick(plan.opt_per_layer, s, rest_s)
+  return p, s, finite, grad_sq, update_squares
+
+
+def _microbatch(r: _Release, params: PyTree, opt_state: PyTree, batch: PyTree, sums: tuple,
+                *, decay, last):
+  """Forward and released backward of one microbatch. Not `last`: the moments absorb
+  its gradients and the params stay. `sums` (loss, squared gradient norm, skipped
+  layers, skipped rest, squared update norm; fp32) add up over the microbatches."""
+  plan, stack = r.plan, r.stack
+  phase = dict(move=last, **({} if r.microbatches == 1 else dict(
+      decay=decay, weight=1.0 / r.microbatches)))
+  view = lambda rest: _without_stack(step_lib.materialize(
+      plan, {**rest, stack: params[stack]}, r.upcast_params), stack)
+  rest32 = _cast(r, _without_stack(params, stack))
+  x, embed_vjp = jax.vjp(lambda rest: r.parts.embed(view(rest), batch), rest32)
+  # The stack is scanned as it is stored. Scanning its bits instead (`stage3.to_bits`)
+  # stops XLA:CPU's loop-invariant code motion from hoisting the fp32 upcast of its
+  # gathers out of the loop, but costs a copy of the stack in them (15.8 GiB a device
+  # for the 70B at 8 devices); that pass is off where memory counts
+  # (`device_env.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
+  # Both loops read the stacks as rows (`updates.LayerViews`: no whole-stack relayout).
+  views = updates.LayerViews(plan, params, opt_state, r.depth, rows=True)
+  rows = views.rows(params)
+  trips = _trips(r)
+  x, inputs = _forward(r, trips, views, rows, x, batch)
+  loss, d_rest, ct, reported = _head(r, view, rest32, x, batch)
+  ct, p, s, (skipped, grad_sq, update_sq) = _backward(
+      r, trips, views, rows, opt_state, inputs, ct, batch, phase)
+  (d_embed,) = embed_vjp(ct)
+  p, s, finite, grad_sq, update_squares = _update_rest(
+      r, p, s, jax.tree.map(jnp.add, d_rest, d_embed), grad_sq, sums, phase, last)
+  update_sq = _total(r, update_sq + jnp.where(finite, update_squares, 0.0))
+  step_sums = (jax.lax.pmean(loss, plan.data_axes), grad_sq, skipped.astype(jnp.float32),
+               (~finite).astype(jnp.float32), update_sq)
+  return p, s, tuple(a + b for a, b in zip(sums, step_sums, strict=True)), reported
+
+
+def _local(r: _Release, params: PyTree, opt_state: PyTree, batch: PyTree):
+  """One step on this device's shards: its microbatches, then the step's metrics."""
+  microbatches = r.microbatches
+  split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+  micro = jax.tree.map(split, batch)
+  sums = (jnp.zeros((), jnp.float32),) * 5
+  if microbatches > 1:
+    # One loop over the microbatches (one copy of their code, so XLA cannot run two at
+    # once): all but the last only absorb, the params the same in every forward.
+    def one(carry, xs):
+      p, s, sums = carry
+      mb, k = xs
+      p, s, sums, reported = _microbatch(r, p, s, mb, sums, decay=k == 0,
+                                         last=k == microbatches - 1)
+      return (p, s, sums), reported
+    (params, opt_state, sums), reported = jax.lax.scan(
+        one, (params, opt_state, sums), (micro, jnp.arange(microbatches)))
+    reported = jax.tree.map(lambda v: jnp.mean(v, axis=0), reported)
+  else:
+    params, opt_state, sums, reported = _microbatch(
+        r, params, opt_state, jax.tree.map(lambda x: x[0], micro), sums, decay=True,
+        last=True)
+  loss, grad_sq, skipped_layers, skipped, update_sq = sums
+  metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
+                 update_norm=jnp.sqrt(update_sq),
+                 # Any skipped part makes the step count as skipped (train.py's
+                 # max_consecutive_skips reads it); skipped_layers says how much.
+                 skipped=jnp.minimum(skipped + skipped_layers, 1.0),
+                 skipped_layers=skipped_layers, **reported)
+  return params, opt_state, metrics
 
 
 @zero.checks_batch
@@ -194,242 +553,14 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
   depth = check_release(plan, parts, tx, microbatches=microbatches,
                         accumulation=accumulation, max_grad_norm=max_grad_norm,
                         clipping=clipping, loss_scaling=loss_scaling)
-  reduce_dtype, stack = jnp.dtype(reduce_dtype), parts.stack
-  is_dim = lambda d: d is None
-  dims, experts = plan.param_dims, plan.expert_dims
-  # Devices of a shard group holding the same (unsharded) leaf: each counts 1/copies
-  # when the squares are summed over the ZeRO axes (an experts' kernel is the same on
-  # its own ZeRO axes' devices only: each 'expert' device holds other experts).
-  copies = jax.tree.map(lambda d, e: 1 if d is not None else plan.shards_of(e), dims,
-                        experts, is_leaf=is_dim)
-  rest_copies = {k: v for k, v in copies.items() if k != stack}
-  # Stochastic rounding's bits (`update_rules`, `stream`): each layer's and each shard's
-  # own; a leaf every device of the shard group holds whole rounds alike on all of them.
-  streams = lambda i: jax.tree.map(
-      lambda d, e: i * plan.num_shards + (
-          0 if d is None else jax.lax.axis_index(plan.axes_of(e))),
-      dims, experts, is_leaf=is_dim)
-  mean_scale = jnp.asarray(1.0 / plan.num_data, reduce_dtype)
-  cast = lambda tree: jax.tree.map(lambda x: x.astype(reduce_dtype), tree)
-  agree = lambda ok: jax.lax.pmin(ok.astype(jnp.int32), plan.mesh.axis_names) > 0
-  # Offloaded optimizer state: layer i's slice comes to the device for its update.
-  apply = streaming.streamed(functools.partial(updates.apply, tx), plan)
-  arrived = streaming.streamed(functools.partial(updates.apply, tx), plan, arrived=True)
-  # Written behind: the state read to the device in its layer's trip, and its update
-  # kept there until the next trip writes it back.
-  kept = functools.partial(updates.apply, tx)
-  total = lambda x: jax.lax.psum(x, plan.shard_axes)
-  clip_to = {"previous_norm": dict(clip_to=max_grad_norm)}.get(clipping, {})
-
-  def factor(squares):
-    """Per-layer clipping's scale for a group whose squared gradient norm (summed over
-    this device's shards) is `squares`."""
-    if clipping != "per_layer":
-      return None
-    return jnp.minimum(1.0, max_grad_norm / (jnp.sqrt(total(squares)) + 1e-6))
-
-  up = upcast_params != "none"  # A gathered leaf of the stack: 'gathered' and 'all'.
-
-  def gathered(layer):
-    """One layer's shards as the whole params in the param dtype (with
-    `upcast_params`, in the shards' dtype: `step.materialize`). Differentiated with
-    respect to shards in the reduce dtype, the gathers' backward passes reduce-scatter
-    in it; the forward pass gathers the stored shards as they are (an fp32 cast of the
-    scanned stack would be hoisted out of the loop: a whole fp32 copy)."""
-    return jax.tree.map(
-        lambda d, p, like, e: (p if upcast_params == "all" else p.astype(like.dtype))
-        if d is None else stage3.gather_leaf(p, d - 1, plan.axes_of(e), like.dtype, up),
-        dims[stack], layer, plan.params[stack], experts[stack], is_leaf=is_dim)
-
-  def reduced(grads, dims, experts):
-    return jax.tree.map(
-        lambda d, e, g: step_lib.sum_unreduced(plan, g.astype(reduce_dtype), d, e),
-        dims, experts, grads, is_leaf=is_dim)
-
-  def microbatch(params, opt_state, batch, sums, *, decay, last):
-    """Forward and released backward of one microbatch. Not `last`: the moments absorb
-    its gradients and the params stay. `sums` (loss, squared gradient norm, skipped
-    layers, skipped rest, squared update norm; fp32) add up over the microbatches."""
-    phase = dict(move=last, **({} if microbatches == 1 else dict(
-        decay=decay, weight=1.0 / microbatches)))
-    view = lambda rest: {k: v for k, v in step_lib.materialize(
-        plan, {**rest, stack: params[stack]}, upcast_params).items() if k != stack}
-    rest32 = cast({k: v for k, v in params.items() if k != stack})
-    rest_dims = {k: v for k, v in dims.items() if k != stack}
-    rest_experts = {k: v for k, v in experts.items() if k != stack}
-
-    x, embed_vjp = jax.vjp(lambda r: parts.embed(view(r), batch), rest32)
-    # The stack is scanned as it is stored. Scanning its bits instead (`stage3.to_bits`)
-    # stops XLA:CPU's loop-invariant code motion from hoisting the fp32 upcast of its
-    # gathers out of the loop, but costs a copy of the stack in them (15.8 GiB a device
-    # for the 70B at 8 devices); that pass is off where memory counts
-    # (`device_env.CPU_MEMORY_FLAGS`), and a GPU gathers bf16 as it is.
-    # Both loops read the stacks as rows (`updates.LayerViews`: no whole-stack relayout).
-    views = updates.LayerViews(plan, params, opt_state, depth, rows=True)
-    rows = views.rows(params)
-    # Offloaded params and state: the layer a trip needs next comes in while it computes
-    # (the forward pass reads layer i+1 during trip i, the backward pass layer i-1,
-    # `read_ahead`), carried. Not on XLA:CPU unless asked: its host and device are one
-    # RAM (the moves lower to nothing), and there the backward barrier costs a copy of
-    # the stacks it reads (43 GiB of optimizer state at 70B).
-    ahead = read_ahead if read_ahead is not None else platform.backend() != "cpu"
-    # Written behind (`write_behind`): trip i writes layer i+1's update, carried from the
-    # trip before. XLA must finish a trip's reads of a stack before its in-place write
-    # into it, and its scheduler does not see the matmuls' time (a gemm costs it almost
-    # nothing): left alone it puts both at one end of the trip, one waiting for the
-    # other. Reads first, one barrier on the reads, the stacks, the pending update and
-    # the residuals of the layer's recomputed forward pass splits the trip: the reads
-    # land under the recompute, the writes start after it and run under the backward
-    # matmuls. Writes first (`writes_first`), the trip's reads are of the written
-    # stacks: each leaf's read follows its write, and no barrier is needed.
-    # A trip reads its own layer's state then: read ahead, it would be a third layer's
-    # on the device, beside the carried update and the layer read ahead.
-    behind = write_behind and ahead and (plan.param_offload or plan.offload)
-    ahead_p, ahead_s = ahead and plan.param_offload, ahead and plan.offload and not behind
-    params_at = lambda p, i: streaming.to_device(views.params(p, i), plan.param_offloaded)
-    state_at = lambda s, i: streaming.to_device(views.state(s, i), plan.opt_offloaded)
-
-    def put_back(p, s, update, i):
-      """The stacks with layer i's (params, state) `update`, both on the device, written
-      in place (to host memory where offloaded)."""
-      return (views.put(p, streaming.to_host(update[0], plan.param_offloaded), i),
-              views.put_state(s, streaming.to_host(update[1], plan.opt_offloaded), i))
-
-    x, inputs = streaming.forward_layers(
-        lambda i, layer, x: (parts.layer(gathered(layer), x, batch), streaming.outbound(
-            jax.tree.map(stage3.to_bits, x), parts.offload)),
-        x, lambda i: params_at(rows, i)[stack], depth, ahead_p)
-    # On XLA:CPU the head's gathers wait for the forward loop, and the backward loop for
-    # their reduce-scatters (`stage3.after`: no collective beside a loop's).
-    # What the model reports of the last layer's output (the routers' statistics): the
-    # mean over the devices, as the loss.
-    reported = jax.tree.map(lambda v: jax.lax.pmean(v.astype(jnp.float32), plan.data_axes),
-                            parts.metrics(x, batch) if parts.metrics else {})
-    loss, head_vjp = jax.vjp(
-        lambda r, x: parts.head_loss(view(r), x, batch).astype(jnp.float32),
-        stage3.after(rest32, x), x)
-    d_rest, ct = head_vjp(jnp.ones((), jnp.float32))
-    ct = stage3.after(ct, d_rest)
-
-    def body(i, saved, carry):
-      ct, p, s, skipped, grad_sq, update_sq, (layer_p, state), pending = carry
-      before, written = jnp.maximum(i - 1, 0), jnp.minimum(i + 1, depth - 1)
-      if behind and writes_first:
-        p, s = put_back(p, s, pending, written)
-      # A read ahead comes before the trip's write of its stack: by `read_ahead`'s
-      # barrier, or written behind, by the barrier below (reads first) or the write
-      # before it (writes first).
-      order = (lambda t, read: (read(t), t)) if behind else streaming.read_ahead
-      if ahead_p:
-        next_p, p = order(p, lambda p: params_at(p, before))
-      else:  # Nothing carried: each trip reads its own layer.
-        layer_p, next_p = params_at(p, i), None
-      if ahead_s:
-        next_s, s = order(s, lambda s: state_at(s, before))
-      elif behind:  # Its own layer's, kept on the device with its update.
-        state, next_s = state_at(s, i), None
-      else:  # `apply` brings an offloaded slice over itself.
-        state, next_s = views.state(s, i), None
-      x = jax.tree.map(stage3.from_bits, saved, ct)
-      _, vjp = jax.vjp(lambda q, x: parts.layer(gathered(q), x, batch), cast(layer_p[stack]),
-                       x)
-      if behind and not writes_first:
-        # This trip's own slices too, if read here: they are read before the write. The
-        # pullback `jax.vjp` returns is a `tree_util.Partial`: its leaves are the
-        # residuals, all computed once the recompute is.
-        residuals, tree = jax.tree.flatten(vjp)
-        next_p, next_s, layer_p, state, p, s, pending, residuals = jax.lax.optimization_barrier(
-            (next_p, next_s, layer_p, state, p, s, pending, residuals))
-        vjp = jax.tree.unflatten(tree, residuals)
-        p, s = put_back(p, s, pending, written)
-      g, ct = vjp(ct)
-      g = reduced(g, dims[stack], experts[stack])
-      finite = agree(precision.all_finite(g))
-      squares = updates.sum_squares(g, copies[stack], mean_scale)
-      update = kept if behind else arrived if ahead_s else apply
-      new_p, new_s, update_squares = update(
-          {**layer_p, stack: g}, state, layer_p, finite=finite,
-          scale=mean_scale, factor=factor(squares), copies=copies, stream=streams(i),
-          **phase, **clip_to)
-      if behind:  # The next trip writes it.
-        pending = (new_p, new_s)
-      else:  # Straight back (`update` sent the state there).
-        new_p = streaming.to_host(new_p, plan.param_offloaded)
-        p, s = views.put(p, new_p, i), views.put_state(s, new_s, i)
-      return (ct, p, s, skipped + 1 - finite.astype(jnp.int32), grad_sq + squares,
-              update_sq + jnp.where(finite, update_squares, 0.0), (next_p, next_s), pending)
-
-    zero_sq = jnp.zeros((), jnp.float32)
-    s = views.state_rows(opt_state)
-    last_p = params_at(rows, depth - 1) if ahead_p or behind else None
-    last_s = state_at(s, depth - 1) if ahead_s or behind else None
-    first = (last_p if ahead_p else None, last_s if ahead_s else None)
-    # The first trip writes the last layer back as it is (a trip has one code: the
-    # write of one layer more than needed, as the reads' clamped index reads one more).
-    ct, p, s, skipped, grad_sq, update_sq, _, pending = streaming.backward_layers(body, (
-        ct, rows, s, jnp.zeros((), jnp.int32), zero_sq, zero_sq, first,
-        (last_p, last_s) if behind else None), inputs, depth, parts.offload)
-    if behind:  # Layer 0's update, after the loop, back before the embedding's backward:
-      # held on the device through the embedding and head's update instead, it would sit
-      # beside their state (4.8 GiB more for the 70B on one RTX 4090, over its pool).
-      p, s = put_back(p, s, pending, 0)
-      p, s, ct = jax.lax.optimization_barrier((p, s, ct))
-    p, s = views.from_rows(p), views.state_from_rows(s)
-
-    (d_embed,) = embed_vjp(ct)
-    d_rest = reduced(jax.tree.map(jnp.add, d_rest, d_embed), rest_dims, rest_experts)
-    finite = agree(precision.all_finite(d_rest))
-    squares = updates.sum_squares(d_rest, rest_copies, mean_scale)
-    grad_sq = total(grad_sq + squares)
-    # The optimizer's scalars advance here, once per step (in the last microbatch);
-    # with clipping by the previous norm, this step's norm is stored for the next.
-    # (A norm that is not finite is not stored: NaN outside the last microbatch.)
-    norm = {} if not clip_to else dict(grad_norm=jnp.where(
-        last, jnp.sqrt((sums[1] + grad_sq) / microbatches), jnp.nan))
-    rest_p, rest_s, update_squares = apply(
-        *updates.without_stacks(plan, {**d_rest, stack: p[stack]}, s, p),
-        finite=finite, scale=mean_scale, factor=factor(squares), copies=copies,
-        stream=streams(depth), **phase, **clip_to, **norm)
-    p = updates.pick(plan.per_layer, p, rest_p)
-    s = updates.pick(plan.opt_per_layer, s, rest_s)
-    update_sq = total(update_sq + jnp.where(finite, update_squares, 0.0))
-    step_sums = (jax.lax.pmean(loss, plan.data_axes), grad_sq, skipped.astype(jnp.float32),
-                 (~finite).astype(jnp.float32), update_sq)
-    return p, s, tuple(a + b for a, b in zip(sums, step_sums, strict=True)), reported
-
-  def local(params, opt_state, batch):
-    split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
-    micro = jax.tree.map(split, batch)
-    sums = (jnp.zeros((), jnp.float32),) * 5
-    if microbatches > 1:
-      # One loop over the microbatches (one copy of their code, so XLA cannot run two
-      # at once): all but the last only absorb, the params the same in every forward.
-      def one(carry, xs):
-        p, s, sums = carry
-        mb, k = xs
-        p, s, sums, reported = microbatch(p, s, mb, sums, decay=k == 0,
-                                          last=k == microbatches - 1)
-        return (p, s, sums), reported
-      (params, opt_state, sums), reported = jax.lax.scan(
-          one, (params, opt_state, sums), (micro, jnp.arange(microbatches)))
-      reported = jax.tree.map(lambda v: jnp.mean(v, axis=0), reported)
-    else:
-      params, opt_state, sums, reported = microbatch(
-          params, opt_state, jax.tree.map(lambda x: x[0], micro), sums, decay=True, last=True)
-    loss, grad_sq, skipped_layers, skipped, update_sq = sums
-    metrics = dict(loss=loss / microbatches, grad_norm=jnp.sqrt(grad_sq / microbatches),
-                   update_norm=jnp.sqrt(update_sq),
-                   # Any skipped part makes the step count as skipped (train.py's
-                   # max_consecutive_skips reads it); skipped_layers says how much.
-                   skipped=jnp.minimum(skipped + skipped_layers, 1.0),
-                   skipped_layers=skipped_layers, **reported)
-    return params, opt_state, metrics
-
+  r = _setup(plan, parts, tx, depth, microbatches=microbatches, reduce_dtype=reduce_dtype,
+             upcast_params=upcast_params, clipping=clipping, max_grad_norm=max_grad_norm,
+             read_ahead=read_ahead, write_behind=write_behind, writes_first=writes_first)
   shardings = step_lib.state_shardings(plan)
 
   def step(state: step_lib.TrainState, batch: PyTree):
     params, opt_state, metrics = jax.shard_map(
-        local, mesh=plan.mesh,
+        functools.partial(_local, r), mesh=plan.mesh,
         in_specs=(plan.param_specs, plan.opt_specs, plan.local_batch_spec),
         out_specs=(plan.param_specs, plan.opt_specs, P()), check_vma=False)(
             state.params, state.opt_state, sequence.shard_batch(plan, batch))
@@ -440,7 +571,7 @@ def make_release_step(plan: zero.ZeroPlan, parts: LayeredLoss,
                    loss_scale=loss_scale.scale,
                    **step_lib.learning_rate_metric(state, learning_rate))
     return step_lib.TrainState(state.step + 1, params, opt_state, state.rng,
-                           loss_scale), metrics
+                               loss_scale), metrics
 
   batch_sharding = jax.sharding.NamedSharding(plan.mesh, plan.batch_spec)
   return dispatch.guarded(jax.jit(step, in_shardings=(shardings, batch_sharding),

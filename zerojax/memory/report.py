@@ -154,7 +154,9 @@ def _labels(s: RunSpec, gpu: bool = False, one_device: bool = False) -> dict:
       "working set": "one layer's recompute + backward",
       "gathered layer": "gathered layer (fp32 on XLA:CPU)",
       "gathered head": "gathered head/embedding + a copy",
-      "head gradient": "head gradient (fp32, whole)",
+      "head gradient": "head gradient (fp32, " + (
+          "the vocabulary shard's, two and a cast)" if s.vocab_sharded
+          else "whole)"),
       "vocab gradient buffers": "embedding/head gradient buffers, made at the start",
       "loss chunk": "loss chunk (fp32 logits)",
       "embedding copy": "embedding copy (XLA:CPU)",
