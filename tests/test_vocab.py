@@ -3,7 +3,8 @@ same step as the gathered embedding and head, and no whole vocabulary leaf on a 
 
 Each case trains one step of a small Llama on 8 CPU devices twice, the vocabulary
 gathered and kept sharded, in fp32: the loss, the gradient norm and every param after
-the update agree within 1e-6 of the leaf's size. The cases between them cover tied and
+an update that is the gradient (SGD, a rate of 1000) agree within 1e-6 of the leaf's
+size. The cases between them cover tied and
 untied embeddings, a data x fsdp mesh, packed SFT rows (segment ids, positions, a loss
 mask), and gradient release with optimizer and param offload under sequence
 parallelism. (A
@@ -31,7 +32,11 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "model.d_ff=128", "model.vocab_size=1024", "model.loss_chunk=32",
          "model.attention_block=32", "train.seq_len=64", "precision.param_dtype=float32",
          "precision.compute_dtype=float32", "optimizer.update_rule=nearest",
-         "optimizer.grad_clip=0", "zero.min_shard_size=0"]
+         "optimizer.grad_clip=0", "zero.min_shard_size=0",
+         # SGD at a constant rate of 1000: the params after one step are -1000 x the
+         # gradient to 1e-3 of them, so comparing them compares every gradient leaf.
+         "optimizer.name=sgd", "optimizer.schedule=constant", "optimizer.warmup_steps=0",
+         "optimizer.learning_rate=1000.0", "optimizer.weight_decay=0"]
 CASES = {
     "untied, data x fsdp, packed rows": ["mesh.data=2", "train.global_batch_size=8"],
     "tied, release, offload, sequence parallel": [
