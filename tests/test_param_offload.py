@@ -75,6 +75,20 @@ def planned_step(kind, name, dtype, params=False, state=False, mesh=(1, 8)):
   return model, tx, plan, make_step(kind, plan, model, tx)
 
 
+@functools.cache
+def trained(kind, name, dtype, params=False, state=False, mesh=(1, 8), batch=8,
+            default_emitters=False):
+  """`planned_step`'s step trained on `batches(STEPS, batch)`: (state, memory kinds,
+  plan), once a session; the bit-for-bit and written-behind tests compare some of the
+  same runs (the read-ahead step offloading both, the accumulation case's offloaded
+  step). `default_emitters`: compiled with XLA's default emitters
+  (`testing.DEFAULT_EMITTERS`)."""
+  model, tx, plan, step = planned_step(kind, name, dtype, params=params, state=state, mesh=mesh)
+  options = testing.DEFAULT_EMITTERS if default_emitters else None
+  got, kinds = train(kind, plan, model, tx, batches(STEPS, batch=batch), step, options)
+  return got, kinds, plan
+
+
 def train(kind, plan, model, tx, data, step=None, options=None):
   """The state after a step per batch, and each step's params' memory kinds; the step
   compiled with XLA debug `options` beside the suite's (conftest.FAST_COMPILE)."""
@@ -106,12 +120,11 @@ def train(kind, plan, model, tx, data, step=None, options=None):
 ])
 def test_offloaded_params_train_bit_for_bit_as_params_on_the_device(name, dtype, kind, state,
                                                                     mesh):
-  data = batches(STEPS, batch=16 if kind == "release accumulation" else 8)
-  options = testing.DEFAULT_EMITTERS if mesh == (8, 1) else None
-  model, tx, device_plan, step = planned_step(kind, name, dtype, state=state, mesh=mesh)
-  want, _ = train(kind, device_plan, model, tx, data, step, options)
-  model, tx, plan, step = planned_step(kind, name, dtype, params=True, state=state, mesh=mesh)
-  got, kinds = train(kind, plan, model, tx, data, step, options)
+  run = functools.partial(trained, kind, name, dtype, state=state, mesh=mesh,
+                          batch=16 if kind == "release accumulation" else 8,
+                          default_emitters=mesh == (8, 1))
+  want, _, _ = run()
+  got, kinds, plan = run(params=True)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
                           jax.tree.leaves(got), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
@@ -132,12 +145,11 @@ def test_written_behind_is_the_same_step_bit_for_bit(kind):
   steps equal bit for bit to the same step writing each layer back in its own trip, the
   offloaded leaves in host memory after every step."""
   accumulation = kind.startswith("release accumulation")
-  data = batches(STEPS, batch=16 if accumulation else 8)
   ahead = "release accumulation" if accumulation else "release ahead"
-  model, tx, plan, step = planned_step(ahead, "llama", "bfloat16", params=True, state=True)
-  want, _ = train(ahead, plan, model, tx, data, step)
-  model, tx, plan, step = planned_step(kind, "llama", "bfloat16", params=True, state=True)
-  got, kinds = train(kind, plan, model, tx, data, step)
+  run = lambda kind: trained(kind, "llama", "bfloat16", params=True, state=True,  # noqa: E731
+                             batch=16 if accumulation else 8)
+  want, _, _ = run(ahead)  # Accumulation's: the bit-for-bit case's offloaded run.
+  got, kinds, plan = run(kind)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
                           jax.tree.leaves(got), strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a),
