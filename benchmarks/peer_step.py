@@ -114,10 +114,11 @@ def peer_step(config, mesh, abstract_batch):
   return jitted, (abstract, batch), model
 
 
-def hlo_flops(hlo_text: str) -> float:
+def hlo_flops(hlo_text: str, unknown_trips: int = 1) -> float:
   """Matmul and attention FLOPs of one run of a compiled module: its entry's instructions,
-  each loop body times its trip count (`schedule.computation_flops`)."""
-  per_inst, comps = schedule.computation_flops(hlo_text)
+  each loop body times its trip count, `unknown_trips` where that is dynamic
+  (`schedule.computation_flops`)."""
+  per_inst, comps = schedule.computation_flops(hlo_text, unknown_trips)
   entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", hlo_text, re.M).group(1)
   return sum(per_inst[name] for name, *_ in comps[entry])
 

@@ -84,7 +84,7 @@ def test_dropless_is_the_dense_reference_values_and_gradients(block, dispatch):
 @pytest.mark.parametrize("ep", [2, 4, 8])
 def test_expert_parallel_dispatch_is_dropless_on_one_device(ep):
   """8 devices as data x expert = (8 / ep) x ep, each with its own 16 tokens and the
-  experts split over 'expert' (E = 8: 8 / ep a device): `dropless_expert_parallel`'s
+  experts split over 'expert' (E = 8: 8 / ep a device): `expert_parallel`'s
   all-to-alls give every token what `dropless` gives on one device with all experts
   (fp32, 1e-6), and the gradients of x, the router and the experts (1e-5)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8 // ep, ep), ("data", "expert"))
@@ -98,7 +98,7 @@ def test_expert_parallel_dispatch_is_dropless_on_one_device(ep):
   tokens = P(("data", "expert"))
 
   def parallel(x, router, experts):
-    body = lambda x, r, e: moe.dropless_expert_parallel(x, moe.route(x, r, K), e, "expert")  # noqa: E731
+    body = lambda x, r, e: moe.expert_parallel(x, moe.route(x, r, K), e, "expert")[0]  # noqa: E731
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens, P(), P("expert")),
                          out_specs=tokens)(x, router, experts)
 
@@ -112,6 +112,54 @@ def test_expert_parallel_dispatch_is_dropless_on_one_device(ep):
   for g, w in zip(jax.tree.leaves(grad(parallel)(x, router, experts)),
                   jax.tree.leaves(grad(single)(x, router, experts))):
     assert _relative(g, w) < 1e-5
+
+
+def test_expert_parallel_at_a_capacity_drops_and_counts_what_a_reference_drops():
+  """Skewed routing (half of each device's tokens to expert 0) over 2 x 4 devices (data x
+  expert, 2 experts a device) at factor 1: each device sends each expert-parallel device
+  at most ceil(16 x 2 / 4) = 8 rows, the first in expert order, then token order. The
+  outputs equal the dense reference with the rows past a destination's 8 weighted 0
+  (found here in numpy), and each device's count is the reference's."""
+  ep, E, n, factor = 4, 8, 16, 1.0
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, ep), ("data", "expert"))
+  keys = jax.random.split(jax.random.key(3), 5)
+  x = np.array(jax.random.normal(keys[0], (8 * n, D), jnp.float32))
+  x[np.arange(8 * n) % n < n // 2, 0] = 5.0  # Half of each device's tokens ...
+  router = np.array(jax.random.normal(keys[1], (D, E), jnp.float32))
+  router[0, 0] = 10.0  # ... prefer expert 0.
+  experts = moe.Experts(*(0.3 * jax.random.normal(kk, s, jnp.float32) for kk, s in zip(
+      keys[2:], [(E, D, F), (E, D, F), (E, F, D)])))
+  P = jax.sharding.PartitionSpec
+  tokens = P(("data", "expert"))
+
+  def run(factor):
+    def body(x, r, e):
+      out, dropped = moe.expert_parallel(x, moe.route(x, r, K), e, "expert", factor=factor)
+      return out, dropped[None]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens, P(), P("expert")),
+                                 out_specs=(tokens, tokens)))(x, router, experts)
+
+  out, dropped = run(factor)
+  routing = jax.jit(moe.route, static_argnums=2)(jnp.asarray(x), jnp.asarray(router), K)
+  chosen, keep = np.asarray(routing.experts), np.ones((8 * n, K), bool)
+  slots = moe.exchange_slots(n * K, ep, factor)
+  assert slots == 8
+  for device in range(8):
+    sent = np.zeros(ep, int)
+    mine = chosen[device * n:(device + 1) * n]
+    for a in np.argsort(mine.reshape(-1), kind="stable"):  # By expert, then token.
+      t, j = divmod(int(a), K)
+      dest = mine[t, j] // (E // ep)
+      keep[device * n + t, j] = sent[dest] < slots
+      sent[dest] += 1
+  want = (~keep).reshape(8, -1).sum(axis=1)
+  assert want.sum() > 0 and np.array_equal(np.asarray(dropped), want)
+  kept = routing._replace(weights=routing.weights * keep)
+  assert _relative(out, moe.dense_reference(jnp.asarray(x), kept, experts)) < 1e-6
+  # Dropless (factor 0) on the same skew: nothing dropped, the whole reference.
+  out, dropped = run(0.0)
+  assert int(np.asarray(dropped).sum()) == 0
+  assert _relative(out, moe.dense_reference(jnp.asarray(x), routing, experts)) < 1e-6
 
 
 def test_capacity_keeps_the_first_assignments_of_each_expert(block):
@@ -263,8 +311,10 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   rows, the prompt masked out) at stage 3, at one layer and 64 positions (the experts are
   the point, not the depth), with expert parallelism: 4 steps on mesh.expert=4 x
   mesh.fsdp=2, stopped (a checkpoint), resumed on mesh.expert=2 x mesh.fsdp=4 (the
-  checkpoint restores onto the other split) for 4 more; the loss falls over the 8 steps,
-  and the checkpoint answers a prompt (`zerojax.generate`'s KV-cached decoding)."""
+  checkpoint restores onto the other split) for 4 more, each device sending each other
+  at most 0.75 x a balanced router's rows (`model.expert_capacity_factor`): of a device's
+  128 tokens' 256 assignments at least 64 do not fit, and are counted; the loss falls
+  over the 8 steps, and the checkpoint answers a prompt (KV-cached decoding)."""
   data = sft_demo.write(str(tmp_path / "sft"), train=300, held_out=20)
   common = ("--config", os.path.join(REPO, "configs", "qwen3_moe_tiny.py"),
             "--config.model.n_layers=1", "--config.train.seq_len=64",
@@ -274,7 +324,7 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
             "--config.train.eval_batches=1", "--config.checkpoint.every_steps=4",
             "--config.data.name=sft", f"--config.data.path={data['train']}",
             f"--config.data.tokenizer={data['tokenizer']}", "--config.model.vocab_size=264",
-            f"--config.workdir={tmp_path}")
+            "--config.model.expert_capacity_factor=0.75", f"--config.workdir={tmp_path}")
   first = train_here(*common, "--config.mesh.expert=4", "--config.mesh.fsdp=2", "--stop_after=4")
   assert first.returncode == 75, first.stderr[-3000:]
   again = train_here(*common, "--config.mesh.expert=2", "--config.mesh.fsdp=4")
@@ -296,6 +346,11 @@ def test_train_py_trains_the_tiny_moe_on_8_devices(tmp_path):
   assert [v for _, v in board["moe/aux_loss"]] == pytest.approx(
       [r["router_aux_loss"] for r in steps], rel=1e-6)
   assert len(board["moe/expert_load/007"]) == 8
+  # The assignments dropped (a device's, summed over the layers; the devices' mean): at
+  # least 64 of 256, room being 0.75 x a balanced router's.
+  dropped = [r["router_dropped_tokens"] for r in steps]
+  assert min(dropped) >= 64, dropped
+  assert [v for _, v in board["moe/dropped_tokens"]] == pytest.approx(dropped)
   said = run_main(generate_cli.main, f"--workdir={tmp_path}", "--prompt=12+30=", "--max_new=4")
   assert said.returncode == 0, said.stderr[-2000:]
   assert said.stdout.startswith(f"restored {tmp_path}/checkpoints/8\n"), said.stdout
@@ -347,6 +402,7 @@ def _ep_run(ep, stage, *extra, steps=5, devices=8):
     state, metrics = built.train_step(state, {"tokens": jax.device_put(tokens[i],
                                                                         built.batch_sharding)})
     losses.append(float(metrics["loss"]))
+    assert float(metrics["router_dropped_tokens"]) == 0  # Dropless: none, and counted so.
   return losses, jax.tree.map(np.asarray, state.params), built.plan
 
 
@@ -396,15 +452,16 @@ def test_expert_parallel_trains_as_the_experts_on_every_device(ep, stage, extra)
 
 
 def test_expert_parallelism_is_refused_where_it_is_not_built():
-  """mesh.expert needs experts it divides; the capacity mode with it is refused (exit 2
-  in train.py), each naming the key."""
+  """mesh.expert needs experts it divides (exit 2 in train.py), each naming the key; a
+  capacity factor with it is the exchange's size (`moe.expert_parallel`), accepted."""
   moe_tiny = os.path.join(REPO, "configs", "qwen3_moe_tiny.py")
   cases = [("configs/tiny.py", ["mesh.expert=2"], "no experts"),
-           (moe_tiny, ["mesh.expert=3", "mesh.fsdp=1", "mesh.data=1"], "does not divide"),
-           (moe_tiny, ["mesh.expert=2", "model.expert_capacity_factor=1.5"], "capacity factor")]
+           (moe_tiny, ["mesh.expert=3", "mesh.fsdp=1", "mesh.data=1"], "does not divide")]
   for path, overrides, match in cases:
     with pytest.raises(ConfigError, match=match):
       load_config(path, [f"--config.{o}" for o in overrides], num_devices=8)
+  load_config(moe_tiny, ["--config.mesh.expert=2", "--config.model.expert_capacity_factor=1.5"],
+              num_devices=8)
 
 
 def test_the_experts_gradients_are_reduced_in_fp32_over_the_axes_that_replicate_them():

@@ -144,11 +144,6 @@ def _check_experts(config: ml_collections.ConfigDict, source: Source) -> None:
     raise ConfigError(f"={ep} does not divide model.n_experts={m.n_experts}: each device "
                       "holds the same number of experts.", key="mesh.expert", source=where,
                       fix=f"use one of {divisors}")
-  if m.expert_capacity_factor:
-    key = "model.expert_capacity_factor"
-    raise ConfigError(f"a capacity factor with expert parallelism (mesh.expert={ep}) is not "
-                      "built yet.", key=key, source=source_of(source, key, "mesh.expert"),
-                      fix=f"unset {key}, or use mesh.expert=1")
 
 
 def _check_precision(config: ml_collections.ConfigDict, source: Source) -> None:

@@ -253,8 +253,10 @@ _ROWS = (
     Field("model.router_z_loss_coef", 0.0, "llama: the router z-loss's weight (with experts).",
           range=NON_NEGATIVE),
     Field("model.expert_capacity_factor", 0.0, "llama: 0 = dropless dispatch; c > 0 = each "
-          "expert takes at most ceil(c N k / E) of a device's N tokens' assignments.",
-          range=NON_NEGATIVE),
+          "expert (mesh.expert=1), or each expert-parallel device (mesh.expert=ep > 1), takes "
+          "at most ceil(c N k / E), or ceil(c N k / ep), of a device's N tokens' "
+          "assignments: c times a balanced router's share; the rest are dropped and counted "
+          "(moe/dropped_tokens).", range=NON_NEGATIVE),
     Field("model.rope_scaling_type", "llama3", "llama: RoPE scaling when rope_scaling_factor is "
           "set: llama3 (Llama 3.1) or linear (Gemma 3's global layers).",
           choices=("llama3", "linear")),

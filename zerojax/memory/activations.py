@@ -37,7 +37,7 @@ def activations(s: RunSpec, counts: Counts, remat: str) -> dict:
   if s.activation_offload:  # The layer in use and the one prefetched stay on the device.
     host, saved = saved, min(L, 2) * n * width * cb
   if remat == "none" and s.behaviour.shards_params:
-    saved += pb * counts.layers  # Every layer's gathered weights, kept for the backward.
+    saved += pb * counts.gathered  # Every layer's gathered weights, kept for the backward.
   # One layer's backward (with its forward recomputed): MLP or attention, whichever is more.
   # Only XLA's dot_product holds whole T x T scores; cuDNN's fused kernel (what 'auto'
   # picks on a GPU) keeps a block's worth, like the blocked loop.
@@ -123,15 +123,17 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
 
 
 def expert_dispatch_bytes(s: RunSpec, tokens: int) -> int:
-  """The expert-parallel block's backward at its peak (`moe.dropless_expert_parallel`),
-  for `tokens` tokens a device: the rows it may receive, ep x tokens x k (the dropless
-  worst case its static buffers hold) plus the tiles' padding (E / ep x `moe.TILE`), each
+  """The expert-parallel block's backward at its peak (`moe.expert_parallel`), for
+  `tokens` tokens a device: the rows it may receive, ep x `moe.exchange_slots` (ep x
+  tokens x k dropless, the worst case; c x tokens x k at capacity factor c) plus the
+  tiles' padding (E / ep x `moe.TILE`), each
   in (24 + 4 cb) bytes a model-width value (the exchange buffers, the tiles and their
   fp32 cotangents) and (8 + cb) an expert-width one (the gate's and up projection's fp32
   outputs, their product). Read off XLA's GPU compiler's buffers at the peak for
   Qwen3-30B-A3B on h100:8 (docs/design/moe.md)."""
   ep, cb = s.expert, DTYPE_BYTES[s.compute_dtype]
-  rows = ep * tokens * s.experts_per_token + s.n_experts // ep * moe.TILE
+  rows = ep * moe.exchange_slots(tokens * s.experts_per_token, ep, s.capacity_factor) + (
+      s.n_experts // ep * moe.TILE)
   return rows * (s.d_model * (24 + 4 * cb) + s.expert_d_ff * (8 + cb))
 
 
@@ -152,5 +154,6 @@ def all_to_all_bytes(s: RunSpec, remat: str) -> int:
                                       s.n_kv_heads, s.head_dim, cb, remat)
   if s.n_experts and s.expert > 1:
     total += s.microbatches * moe.all_to_all_bytes(
-        s.batch * s.positions, s.experts_per_token, s.d_model, s.expert, cb, remat)
+        s.batch * s.positions, s.experts_per_token, s.d_model, s.expert, cb, remat,
+        s.capacity_factor)
   return total

@@ -189,7 +189,9 @@ def format_sequence(e: Estimate) -> str:
     source = "zerojax.sequence.ulysses.all_to_all_bytes"
   elif s.n_experts and s.expert > 1:
     split = (f"expert parallel over expert={s.expert}: {s.n_experts // s.expert} of "
-             f"{s.n_experts} experts a device, the dropless worst case's buffers")
+             f"{s.n_experts} experts a device, " + (
+                 f"{s.capacity_factor:g} x a balanced router's rows sent each device (the "
+                 "rest dropped)" if s.capacity_factor else "the dropless worst case's buffers"))
     source = "zerojax.models.moe.all_to_all_bytes"
   else:
     return ""

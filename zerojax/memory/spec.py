@@ -74,6 +74,8 @@ class RunSpec:
   experts_per_token: int = 0
   expert_d_ff: int = 0
   expert: int = 1  # Devices the experts are split over (mesh.expert), within `fsdp`.
+  # The expert-parallel exchange's size (model.expert_capacity_factor): 0 = dropless.
+  capacity_factor: float = 0.0
   # Release writes each layer's update back during the next layer's trip
   # (optimizer.release_write_behind, with a layer stack in host memory).
   write_behind: bool = False
@@ -139,6 +141,7 @@ class RunSpec:
         n_experts=int(m.get("n_experts", 0)) if m.name == "llama" else 0,
         experts_per_token=int(m.get("experts_per_token", 0)),
         expert_d_ff=int(m.get("expert_d_ff", 0)), expert=expert,
+        capacity_factor=float(m.get("expert_capacity_factor", 0.0)),
         write_behind=behind, writes_first=bool(o.get("release_writes_first", False)),
         vocab_parallel=bool(config.zero.get("vocab_parallel", False)) and m.name == "llama",
         scheduler_slop=xla_flags.scheduler_slop(behind) if config.xla.get("gpu_profile", True)
@@ -192,9 +195,11 @@ def _local_shape(s: RunSpec, shape: tuple[int, ...],
   return local_shape(shape, shard_dim(shape, names, shards, s.min_shard_size), shards)
 
 
-class Counts(collections.namedtuple("Counts", "total layers local local_layers largest")):
-  """Parameter counts: all, layer-stacked, one device's shard (all, layer-stacked), and
-  the largest layer-stacked leaf."""
+class Counts(collections.namedtuple("Counts",
+                                     "total layers local local_layers largest gathered")):
+  """Parameter counts: all, layer-stacked, one device's shard (all, layer-stacked), the
+  largest layer-stacked leaf, and the layer-stacked params a device gathers (each leaf
+  whole, an experts' kernel only the E / ep experts the device holds)."""
 
 
 def active_params(s: RunSpec) -> int:
@@ -209,13 +214,14 @@ def active_params(s: RunSpec) -> int:
 
 
 def param_counts(s: RunSpec) -> Counts:
-  total = layers = local = local_layers = largest = 0
-  for shape, layered, _, shard in _leaves(s):
+  total = layers = local = local_layers = largest = gathered = 0
+  for (shape, layered, _, shard), (_, names) in zip(_leaves(s), s.param_shapes, strict=True):
     n, n_local = math.prod(shape), math.prod(shard)
     total, local = total + n, local + n_local
     if layered:
       layers, local_layers, largest = layers + n, local_layers + n_local, max(largest, n)
-  return Counts(total, layers, local, local_layers, largest)
+      gathered += n // s.expert if EXPERTS_AXIS in names else n
+  return Counts(total, layers, local, local_layers, largest, gathered)
 
 
 

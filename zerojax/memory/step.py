@@ -203,7 +203,7 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   if behaviour.shards_params:
     # One layer gathered: in fp32 by XLA:CPU; by a GPU in the param dtype, two at the normal
     # step's peak (its pipelined gather), one at release's (XLA's GPU buffer assignment).
-    gathered = counts.layers // L * (
+    gathered = counts.gathered // L * (
         pb * (1 if s.release else 2) if platform.backend() == "gpu" else 4)
     # The head (or tied embedding) gathered, and a copy XLA makes; its fp32 gradient.
     vocab_gathered, head_grad, copies = 2 * pb * V * D, 4 * V * D, 0

@@ -322,11 +322,11 @@ def layer_rope(config: LlamaConfig, positions: int | jax.Array) -> tuple[jax.Arr
 
 def stack_input(config: LlamaConfig, x: jax.Array, layer: int | jax.Array = 0) -> Any:
   """The layer loop's input for residual stream x at `layer`: x alone, or a tuple of x,
-  float32[] layer in a mixed stack (`Block`) and float32[2 E + 1] router statistics
+  float32[] layer in a mixed stack (`Block`) and float32[2 E + 2] router statistics
   summed over the layers so far with experts (`moe.stats`)."""
   extra = [jnp.asarray(layer, jnp.float32)] if config.mixed_layers else []
   if config.n_experts:
-    extra.append(jnp.zeros(2 * config.n_experts + 1, jnp.float32))
+    extra.append(jnp.zeros(2 * config.n_experts + 2, jnp.float32))
   return (x, *extra) if extra else x
 
 
@@ -362,15 +362,18 @@ def router_loss(config: LlamaConfig, out: Any, tokens: int) -> jax.Array:
 
 def router_metrics(config: LlamaConfig, out: Any, tokens: int) -> dict[str, jax.Array]:
   """What the routers did, from the layer loop's output carry, as float32 scalars: the
-  load-balancing loss and the z-loss (before their coefficients) and each expert's share
+  load-balancing loss and the z-loss (before their coefficients), each expert's share
   of the token-expert assignments over all layers, 'expert_load/007' (1 / E when
-  balanced). {} without experts."""
+  balanced), and 'router_dropped_tokens', the assignments of the device's tokens that a
+  capacity dropped, summed over the layers (0 dropless; the step reports its mean over
+  the devices). {} without experts."""
   if not config.n_experts:
     return {}
   summed = _unstack(config, out)[2]
   aux, z = moe.losses_from_stats(summed, tokens, config.n_layers)
   share = summed[:config.n_experts] / (tokens * config.n_layers * config.experts_per_token)
   return {"router_aux_loss": aux, "router_z_loss": z,
+          "router_dropped_tokens": summed[2 * config.n_experts],
           **{f"expert_load/{e:03d}": share[e] for e in range(config.n_experts)}}
 
 

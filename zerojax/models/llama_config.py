@@ -78,7 +78,9 @@ class LlamaConfig:
     router_aux_loss_coef: the load-balancing loss's weight in the training loss.
     router_z_loss_coef: the router z-loss's weight (ST-MoE); 0 = none.
     expert_capacity_factor: 0 = dropless dispatch; c > 0: each expert takes at most
-      ceil(c N k / E) of a device's N tokens' assignments (`moe.with_capacity`).
+      ceil(c N k / E) of a device's N tokens' assignments (`moe.with_capacity`), or with
+      the experts split over devices, each device at most ceil(c N k / ep) of another's
+      (`moe.expert_parallel`); the rest are dropped and counted.
     param_dtype: dtype the params are stored in.
     compute_dtype: dtype of activations and matmul inputs (norms, softmax, logits and
       loss are fp32 whatever this is).

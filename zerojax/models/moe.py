@@ -140,8 +140,9 @@ def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
   empty row: 0).
 
   Each expert's run is padded to whole tiles of `tile` rows (at most M + E x tile rows, a
-  static bound), and each tile is one dense matmul with its expert's kernel
-  (`tile_matmul`); the tiles run one after another (`lax.map`): a kernel per tile.
+  static bound for the buffers), and each occupied tile is one dense matmul with its
+  expert's kernel (`tile_matmul`), one after another: the loop runs as many tiles as the
+  runs fill (at most one of padding an expert), whatever the bound.
   """
   n_experts, (m, d) = experts.gate.shape[0], rows.shape
   sizes = jnp.bincount(ids, length=n_experts + 1)[:n_experts]
@@ -156,108 +157,150 @@ def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
   # Tile t's expert; tiles past the last expert's are zeros and take the last kernel.
   owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"),
                       n_experts - 1).astype(jnp.int32)
-  mm = lambda a, w: tile_matmul(a, w, owner)  # noqa: E731
+  used = ends[-1] // tile  # The occupied tiles, first: the loops' trip count.
+  mm = lambda a, w: tile_matmul(a, w, owner, used)  # noqa: E731
   h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(rows.dtype)
   return jnp.pad(mm(h, experts.down), ((0, 1), (0, 0)))[row]  # Empty rows: the zero row.
 
 
+def _varying(*xs: jax.Array) -> tuple[str, ...]:
+  """The mesh axes any of `xs` varies over (inside a `shard_map` that checks)."""
+  return tuple(sorted(set().union(*(jax_internals.varying_axes(x) for x in xs))))
+
+
+def _zeros(shape, dtype, vary: tuple[str, ...]) -> jax.Array:
+  """Zeros that vary over `vary`, as a loop's carry that varying values update must."""
+  z = jnp.zeros(shape, dtype)
+  return jax.lax.pcast(z, vary, to="varying") if vary else z
+
+
 @jax.custom_vjp
-def tile_matmul(a: jax.Array, w: jax.Array, owner: jax.Array) -> jax.Array:
-  """a [tiles x t, K] @ w[owner[i]] [K, M] tile by tile: float32[tiles x t, M].
+def tile_matmul(a: jax.Array, w: jax.Array, owner: jax.Array, used: jax.Array) -> jax.Array:
+  """a [tiles x t, K] @ w[owner[i]] [K, M] tile by tile for the first `used` tiles:
+  float32[tiles x t, M], the rows of the other tiles 0.
 
-  A custom vjp: JAX's own transpose of the loop would stack every tile's weight
-  gradient ([tiles, K, M]) before summing them per expert; here each tile's is added
-  into one [E, K, M] accumulator as the backward loop goes."""
-  tiles = owner.shape[0]
-  blocks = a.reshape(tiles, -1, a.shape[-1])
-  out = jax.lax.map(lambda xs: jnp.dot(xs[0], w[xs[1]], preferred_element_type=jnp.float32),
-                    (blocks, owner))
-  return out.reshape(a.shape[0], w.shape[-1])
+  A loop whose trip count is `used` (int32[], at most tiles): a grouped matmul that
+  does the routed rows' work, not the static bound's. XLA's lowering of
+  `jax.lax.ragged_dot` (jax 0.10) multiplies every row by every expert, masked, on
+  XLA:CPU and XLA's GPU compiler alike (docs/design/moe.md). A custom vjp: the loop's
+  trip count is dynamic, which reverse-mode cannot differentiate, and each tile's weight
+  gradient is added into one [E, K, M] accumulator as the backward loop goes."""
+  t = a.shape[0] // owner.shape[0]
+
+  def tile(i, out):
+    y = jnp.dot(jax.lax.dynamic_slice_in_dim(a, i * t, t), w[owner[i]],
+                preferred_element_type=jnp.float32)
+    return jax.lax.dynamic_update_slice_in_dim(out, y, i * t, 0)
+
+  out = _zeros((a.shape[0], w.shape[-1]), jnp.float32, _varying(a, w, owner, used))
+  return jax.lax.fori_loop(0, used, tile, out)
 
 
-def _tile_matmul_fwd(a, w, owner):
-  return tile_matmul(a, w, owner), (a, w, owner)
+def _tile_matmul_fwd(a, w, owner, used):
+  return tile_matmul(a, w, owner, used), (a, w, owner, used)
 
 
 def _tile_matmul_bwd(res, g):
-  a, w, owner = res
-  tiles = owner.shape[0]
-  blocks, grads = a.reshape(tiles, -1, a.shape[-1]), g.reshape(tiles, -1, g.shape[-1])
+  a, w, owner, used = res
+  t = a.shape[0] // owner.shape[0]
 
-  def tile(dw, xs):
-    x, dy, e = xs
-    da = jnp.dot(dy, w[e].T.astype(jnp.float32), preferred_element_type=jnp.float32)
+  def tile(i, carry):
+    da, dw = carry
+    x, dy = (jax.lax.dynamic_slice_in_dim(v, i * t, t) for v in (a, g))
+    e = owner[i]
+    dx = jnp.dot(dy, w[e].T.astype(jnp.float32), preferred_element_type=jnp.float32)
     dw = dw.at[e].add(jnp.dot(x.T.astype(jnp.float32), dy, preferred_element_type=jnp.float32))
-    return dw, da.astype(a.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(da, dx.astype(a.dtype), i * t, 0), dw
 
   # Inside a shard_map that checks replication, the tiles vary over the token axes; the
-  # accumulator starts varying as they do, and the kernel's gradient is summed over the
+  # accumulators start varying as they do, and the kernel's gradient is summed over the
   # axes the kernel does not vary over (its cotangent is the whole sum there). The
   # train step's shard_map does not check (no axis varies): it sums gradients itself.
-  vma = jax_internals.varying_axes
-  vary = tuple(sorted(vma(blocks) | vma(grads) | vma(owner) | vma(w)))
-  dw = jnp.zeros(w.shape, jnp.float32)
-  dw = jax.lax.pcast(dw, vary, to="varying") if vary else dw
-  dw, da = jax.lax.scan(tile, dw, (blocks, grads, owner))
-  extra = tuple(sorted(vma(dw) - vma(w)))
+  vary = _varying(a, g, owner, w, used)
+  da, dw = jax.lax.fori_loop(0, used, tile, (_zeros(a.shape, a.dtype, vary),
+                                             _zeros(w.shape, jnp.float32, vary)))
+  extra = tuple(sorted(jax_internals.varying_axes(dw) - jax_internals.varying_axes(w)))
   dw = jax.lax.psum(dw, extra) if extra else dw
-  return da.reshape(a.shape), dw.astype(w.dtype), None
+  return da, dw.astype(w.dtype), None, None
 
 
 tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
 
 
-def dropless_expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
-                             act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
-  """`dropless` with the experts split over mesh axis `axis` (inside `jax.shard_map`).
+def exchange_slots(rows: int, ep: int, factor: float) -> int:
+  """Rows each device sends each of the `ep` expert-parallel devices at most (the
+  all-to-all's block) for `rows` = N k assignments a device: all of them at factor 0
+  (dropless: every assignment may go to one device), else ceil(factor x rows / ep),
+  `factor` times a balanced router's share, at most `rows`."""
+  return rows if not factor else min(rows, math.ceil(factor * rows / ep))
+
+
+def expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
+                    act: Callable = jax.nn.silu, tile: int = 64,
+                    factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  """`dropless` with the experts split over mesh axis `axis` (inside `jax.shard_map`),
+  each device sending each other at most `exchange_slots(N k, ep, factor)` rows.
 
   The device at index r of `axis` (size ep) holds experts [r El, (r + 1) El) of the E =
   ep El (`local`: their kernels, El on the leading axis); each device routes its own N
   tokens over all E (`routing`). Its N k assignments, sorted by expert, go to the
-  devices holding their experts by one `all_to_all`, are computed there in tiles
-  (`tiled_experts`) over everything the device received, and come back by a second, to
-  be weighted and summed onto their tokens as `dropless` does.
+  devices holding their experts by one `all_to_all` of [ep, S, D] blocks (S slots a
+  destination), are computed there in tiles (`tiled_experts`: only the tiles the
+  received rows occupy), and come back by a second, to be weighted and summed onto their
+  tokens as `dropless` does.
+
+  Factor 0: S = N k, the dropless worst case (every assignment to one device), exact.
+  Factor c > 0: S = ceil(c N k / ep), c times what a balanced router sends each device;
+  a destination's assignments past its S (in expert order, then token order) are
+  dropped: they add nothing to their tokens' outputs (`with_capacity`'s rule, per
+  destination device instead of per expert), and are counted. The exchange then moves,
+  and the experts' buffers hold, c / ep of the dropless case's rows.
 
   The step's `shard_map` does not check replication (`check_vma=False`): the experts'
   gradient on a device is its own tokens' part, and the step sums it over the axes that
   replicate the experts (`zero.ZeroPlan.reduce_axes`), as for every other param.
-
-  The all-to-all buffers are static: ep blocks of N k rows a device (the dropless worst
-  case, every assignment to one device), so each all-to-all moves ep N k D values a
-  device where a balanced router fills 1 / ep of them. (`jax.lax.ragged_all_to_all`
-  moves only the rows used; XLA:CPU does not run it.)
+  (`jax.lax.ragged_all_to_all` would move only the rows used into a buffer sized the
+  same way; XLA:CPU does not run it, so it could not be held to this one here.)
 
   Returns:
-    [N, D] in x's dtype: what `dropless` gives with all E experts on every device.
+    ([N, D] in x's dtype: `dropless`'s result at factor 0, int32[] the assignments of
+    this device's tokens dropped).
   """
   el = local.gate.shape[0]
   ep = routing.logits.shape[-1] // el
   order, tokens, chosen = _by_expert(routing)  # By expert, so by device too.
   m, d = order.shape[0], x.shape[-1]
+  slots = exchange_slots(m, ep, factor)
   dest = chosen // el
   counts = jnp.bincount(dest, length=ep)
-  at = (dest, jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest])  # (device, row).
-  send = jnp.zeros((ep, m, d), x.dtype).at[at].set(x[tokens])
-  ids = jnp.full((ep, m), el, jnp.int32).at[at].set(chosen % el)  # el: an empty row.
+  rank = jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest]  # Place in its block.
+  kept = rank < slots
+  at = (dest, jnp.where(kept, rank, slots))  # A dropped row: a spare slot, sliced off.
+  send = jnp.zeros((ep, slots + 1, d), x.dtype).at[at].set(x[tokens])[:, :slots]
+  ids = jnp.full((ep, slots + 1), el, jnp.int32).at[at].set(chosen % el)[:, :slots]
   exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
-  got, got_ids = exchange(send).reshape(ep * m, d), exchange(ids).reshape(ep * m)
+  rows = ep * slots
+  got, got_ids = exchange(send).reshape(rows, d), exchange(ids).reshape(rows)
   mine = jnp.argsort(got_ids, stable=True)  # By local expert; empty rows last.
-  y = jnp.zeros((ep * m, d), jnp.float32).at[mine].set(
+  y = jnp.zeros((rows, d), jnp.float32).at[mine].set(
       tiled_experts(got[mine], got_ids[mine], local, act, tile)).astype(x.dtype)
-  return _combine(exchange(y.reshape(ep, m, d))[at], routing, order, tokens, x)
+  back = jnp.pad(exchange(y.reshape(ep, slots, d)), ((0, 0), (0, 1), (0, 0)))[at]
+  return (_combine(back, routing, order, tokens, x),  # A dropped row's is the spare 0.
+          jnp.sum(~kept).astype(jnp.int32))
 
 
 def all_to_all_bytes(tokens: int, k: int, d_model: int, ep: int, itemsize: int,
-                     remat: str) -> int:
-  """Bytes one device puts into `dropless_expert_parallel`'s all-to-alls per layer for
-  `tokens` tokens (operands; (ep - 1) / ep of them leave the device): the assignments'
-  rows out and back ([ep, tokens k, D] each, `itemsize` bytes a value) and their
-  experts (int32 [ep, tokens k]) in the forward pass, the two row exchanges' transposes
-  in the backward pass and, unless `remat` is 'none', the forward's recomputation.
+                     remat: str, factor: float = 0.0) -> int:
+  """Bytes one device puts into `expert_parallel`'s all-to-alls per layer for `tokens`
+  tokens (operands; (ep - 1) / ep of them leave the device): the assignments' rows out
+  and back ([ep, S, D] each, S = `exchange_slots`, `itemsize` bytes a value) and their
+  experts (int32 [ep, S]) in the forward pass, the two row exchanges' transposes in the
+  backward pass and, unless `remat` is 'none', the forward's recomputation.
 
   Measured against the compiled step: `tests/test_moe.py`.
   """
-  rows, ids = ep * tokens * k * d_model * itemsize, ep * tokens * k * 4
+  slots = ep * exchange_slots(tokens * k, ep, factor)
+  rows, ids = slots * d_model * itemsize, slots * 4
   forward = 2 * rows + ids
   return forward + 2 * rows + (0 if remat == "none" else forward)
 
@@ -315,17 +358,19 @@ def tokens_per_expert(routing: Routing, n_experts: int) -> jax.Array:
   return jnp.bincount(routing.experts.reshape(-1), length=n_experts).astype(jnp.int32)
 
 
-def stats(routing: Routing, mask: jax.Array | None = None) -> jax.Array:
-  """float32[2 E + 1]: one layer's router statistics, summed over its tokens (what the
-  auxiliary losses need of every layer): top-k assignments per expert, softmax
-  probability per expert, and logsumexp(logits)^2; `mask` (float or bool [N], None:
-  all) weighs each token (0: padding, counted in none of them)."""
+def stats(routing: Routing, mask: jax.Array | None = None,
+          dropped: jax.Array | int = 0) -> jax.Array:
+  """float32[2 E + 2]: one layer's router statistics, summed over its tokens (what the
+  auxiliary losses and the metrics need of every layer): top-k assignments per expert,
+  softmax probability per expert, the assignments `dropped` at a capacity, and
+  logsumexp(logits)^2; `mask` (float or bool [N], None: all) weighs each token (0:
+  padding, counted in none of them)."""
   logits = routing.logits.astype(jnp.float32)
   m = jnp.ones(logits.shape[0], jnp.float32) if mask is None else mask.astype(jnp.float32)
   counts = jnp.einsum("nke,n->e", jax.nn.one_hot(routing.experts, logits.shape[-1]), m)
   probs = m @ jax.nn.softmax(logits, axis=-1)
   z = m @ jax.nn.logsumexp(logits, axis=-1) ** 2
-  return jnp.concatenate([counts, probs, z[None]])
+  return jnp.concatenate([counts, probs, jnp.asarray(dropped, jnp.float32)[None], z[None]])
 
 
 def losses_from_stats(summed: jax.Array, tokens: Any, layers: int) -> tuple[jax.Array, jax.Array]:
@@ -338,7 +383,7 @@ def losses_from_stats(summed: jax.Array, tokens: Any, layers: int) -> tuple[jax.
   tokens and divided by (layers x tokens). The z-loss is ST-MoE's: the mean of
   logsumexp(logits)^2.
   """
-  n_experts = (summed.shape[0] - 1) // 2
+  n_experts = (summed.shape[0] - 2) // 2
   rows = tokens * layers
   counts, probs = summed[:n_experts] / rows, summed[n_experts:2 * n_experts] / rows
   return n_experts * jnp.sum(counts * probs), summed[-1] / rows
@@ -366,14 +411,14 @@ def router_z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array
 
 class MoeMlp(nn.Module):
   """The mixture-of-experts feed-forward block (HF Qwen3-MoE's `mlp`, Mixtral's
-  `block_sparse_moe`): [B, T, D] -> ([B, T, D], float32[2 E + 1] `stats`).
+  `block_sparse_moe`): [B, T, D] -> ([B, T, D], float32[2 E + 2] `stats`).
 
   Params: `router/kernel` [D, E] and `experts/{gate,up,down}_proj` ([E, D, F], [E, D, F],
   [E, F, D]), in `param_dtype`, with logical axes 'embed', 'experts', 'mlp'. Routing is
   in fp32; the experts' matmuls take `dtype` inputs and accumulate in fp32. Given fewer
   than E experts (inside the step's `shard_map`, a plan over a mesh with an 'expert'
   axis gives each device E / ep of them), the block dispatches by all-to-all over that
-  axis (`dropless_expert_parallel`).
+  axis (`expert_parallel`, sized by `capacity_factor`).
   """
   n_experts: int
   k: int
@@ -398,14 +443,16 @@ class MoeMlp(nn.Module):
         name="experts")()))
     h = x.reshape(B * T, D).astype(self.dtype)
     routing = route(h, router.astype(self.dtype), self.k, self.norm_topk_prob)
+    dropped = jnp.zeros((), jnp.int32)
     if experts.gate.shape[0] < E:  # Inside the step's shard_map, this device's experts
       # only: the plan split them over the mesh's expert axis.
-      out = dropless_expert_parallel(h, routing, experts, EXPERT_AXIS, self.act, TILE)
+      out, dropped = expert_parallel(h, routing, experts, EXPERT_AXIS, self.act, TILE,
+                                     self.capacity_factor)
     elif self.capacity_factor:
-      out, _ = with_capacity(h, routing, experts, self.capacity_factor, self.act)
+      out, dropped = with_capacity(h, routing, experts, self.capacity_factor, self.act)
     else:  # In tiles, not by `ragged_dot`: XLA lowers that as E copies of the rows.
       out = dropless_tiled(h, routing, experts, self.act, TILE)
-    return out.reshape(B, T, D), stats(routing)
+    return out.reshape(B, T, D), stats(routing, dropped=dropped)
 
 
 class _Params(nn.Module):

@@ -237,13 +237,14 @@ def _attention_flops(rest: str) -> float:
   return flops * (2.5 if "Backward" in rest else 1.0)
 
 
-def computation_flops(hlo_text: str) -> tuple[dict, dict]:
+def computation_flops(hlo_text: str, unknown_trips: int = 1) -> tuple[dict, dict]:
   """(instruction name -> its matmul and attention FLOPs, computation -> its instructions
   in schedule order) of a module: a dot 2 x its output's elements x its contracted
   size; a fusion or call its computations' dots; a while loop its body's times its known
-  trip count; cuDNN attention by `_attention_flops`. Everything else counts 0: the
-  elementwise and reduction work, memory-bound, is left out (so what this times is the
-  compute a copy is sure to have under it, no more)."""
+  trip count, or `unknown_trips` times where its trip count is dynamic (a grouped
+  matmul's tiles, `models.moe.tile_matmul`); cuDNN attention by `_attention_flops`.
+  Everything else counts 0: the elementwise and reduction work, memory-bound, is left out
+  (so what this times is the compute a copy is sure to have under it, no more)."""
   comps, types = _computations(hlo_text)
   per_comp: dict[str, float] = {}
   per_inst: dict[str, float] = {}
@@ -261,7 +262,7 @@ def computation_flops(hlo_text: str) -> tuple[dict, dict]:
     total = sum(comp_flops(c) for c in re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", rest))
     if op == "while" and (body := re.search(r"\bbody=%?([\w.\-]+)", rest)):
       trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-      total += comp_flops(body.group(1)) * (int(trips.group(1)) if trips else 1)
+      total += comp_flops(body.group(1)) * (int(trips.group(1)) if trips else unknown_trips)
     return total
 
   def comp_flops(comp):
