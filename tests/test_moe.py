@@ -118,8 +118,9 @@ def test_expert_parallel_at_a_capacity_drops_and_counts_what_a_reference_drops()
   """Skewed routing (half of each device's tokens to expert 0) over 2 x 4 devices (data x
   expert, 2 experts a device) at factor 1: each device sends each expert-parallel device
   at most ceil(16 x 2 / 4) = 8 rows, the first in expert order, then token order. The
-  outputs equal the dense reference with the rows past a destination's 8 weighted 0
-  (found here in numpy), and each device's count is the reference's."""
+  outputs and the gradients of x, the router and the experts equal the dense
+  reference's with the rows past a destination's 8 weighted 0 (found here in numpy;
+  1e-6 and 1e-5), and each device's count is the reference's."""
   ep, E, n, factor = 4, 8, 16, 1.0
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, ep), ("data", "expert"))
   keys = jax.random.split(jax.random.key(3), 5)
@@ -132,13 +133,14 @@ def test_expert_parallel_at_a_capacity_drops_and_counts_what_a_reference_drops()
   P = jax.sharding.PartitionSpec
   tokens = P(("data", "expert"))
 
-  def run(factor):
+  def parallel(factor):
     def body(x, r, e):
       out, dropped = moe.expert_parallel(x, moe.route(x, r, K), e, "expert", factor=factor)
       return out, dropped[None]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tokens, P(), P("expert")),
-                                 out_specs=(tokens, tokens)))(x, router, experts)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens, P(), P("expert")),
+                         out_specs=(tokens, tokens))
 
+  run = lambda factor: jax.jit(parallel(factor))(x, router, experts)  # noqa: E731
   out, dropped = run(factor)
   routing = jax.jit(moe.route, static_argnums=2)(jnp.asarray(x), jnp.asarray(router), K)
   chosen, keep = np.asarray(routing.experts), np.ones((8 * n, K), bool)
@@ -156,6 +158,13 @@ def test_expert_parallel_at_a_capacity_drops_and_counts_what_a_reference_drops()
   assert want.sum() > 0 and np.array_equal(np.asarray(dropped), want)
   kept = routing._replace(weights=routing.weights * keep)
   assert _relative(out, moe.dense_reference(jnp.asarray(x), kept, experts)) < 1e-6
+  probe = jax.random.normal(jax.random.key(4), x.shape)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * probe), argnums=(0, 1, 2)))  # noqa: E731
+  reference = lambda x, r, e: moe.dense_reference(x, (lambda g: g._replace(  # noqa: E731
+      weights=g.weights * keep))(moe.route(x, r, K)), e)
+  for g, w in zip(jax.tree.leaves(grad(lambda *a: parallel(factor)(*a)[0])(x, router, experts)),
+                  jax.tree.leaves(grad(reference)(x, router, experts))):
+    assert _relative(g, w) < 1e-5
   # Dropless (factor 0) on the same skew: nothing dropped, the whole reference.
   out, dropped = run(0.0)
   assert int(np.asarray(dropped).sum()) == 0
