@@ -1,8 +1,8 @@
 """Compiled bytes of a mixture-of-experts block's dispatch: dropless by `jax.lax.ragged_dot`,
-dropless in tiles (`moe.tile_matmul`) and the capacity mode's batched matmuls, forward
+dropless in tiles (`moe.tile_mlp`) and the capacity mode's batched matmuls, forward
 and forward + backward.
 
-Compiles (never runs) one expert MLP over N k token rows into E experts on XLA:CPU and
+Compiles (never runs) the experts' MLP over N k token rows into E experts on XLA:CPU and
 prints XLA's temporary bytes and the largest buffer of each program; with `--target`,
 the same programs compiled by XLA's GPU compiler for that GPU (no GPU needed; the
 `gpu-compile` extra). Results: `benchmarks/README.md` "Mixture-of-experts dispatch".
@@ -41,23 +41,28 @@ def main():
 
   m, d, f, e = args.rows, args.d_model, args.d_ff, args.experts
   x = jax.ShapeDtypeStruct((m, d), jnp.float32)
-  w = jax.ShapeDtypeStruct((e, d, f), jnp.float32)
+  w = moe.Experts(*(jax.ShapeDtypeStruct(shape, jnp.float32)
+                    for shape in ((e, d, f), (e, d, f), (e, f, d))))
   sizes = jnp.full((e,), m // e, jnp.int32)  # Balanced: every expert m / e rows.
   blocks = jax.ShapeDtypeStruct((e, m // e, d), jnp.float32)  # Capacity factor 1.
 
+  def mlp(dot, x, w):  # An expert MLP (gate, up, down) by a grouped matmul `dot`.
+    return dot(jax.nn.silu(dot(x, w.gate)) * dot(x, w.up), w.down)
+
   def ragged(x, w):
-    return jax.lax.ragged_dot(x, w, sizes)
+    return mlp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x, w)
 
   def batched(b, w):
-    return jnp.einsum("ecd,edf->ecf", b, w)
+    return mlp(lambda a, b: jnp.einsum("ecd,edf->ecf", a, b), b, w)
 
   tile = 64
   tiles = -(-m // tile) + e  # `moe.dropless_tiled`'s bound: each expert's run padded.
   padded = jax.ShapeDtypeStruct((tiles * tile, d), jnp.float32)
-  owner = jnp.minimum(jnp.arange(tiles) * e // (tiles - e), e - 1).astype(jnp.int32)
+  # Every tile of the bound occupied (the loops' most trips), E / tiles an expert.
+  ends = ((jnp.arange(e) + 1) * tiles // e).astype(jnp.int32)
 
   def tiled(x, w):
-    return moe.tile_matmul(x, w, owner)
+    return moe.tile_mlp(x, w, ends, jax.nn.silu, tile)
 
   programs = {
       "dropless (ragged_dot)": (ragged, (x, w)),
@@ -65,7 +70,7 @@ def main():
       "capacity 1.0 (batched)": (batched, (blocks, w)),
   }
   print(f"{m} rows into {e} experts of [{d}, {f}], fp32 (useful product: "
-        f"{m * d * f * 2 / 1e9:.3f} GFLOP forward)")
+        f"{m * d * f * 6 / 1e9:.3f} GFLOP forward)")
   mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
   for name, (fn, shapes) in programs.items():
     for label, prog in (("forward", fn), ("+ backward", jax.grad(

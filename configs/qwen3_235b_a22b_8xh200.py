@@ -17,11 +17,11 @@ moment and the Kahan buffer (4 bytes a parameter, 875.79 GiB a node) live in hos
 and come to the device a layer at a time inside release's backward loop.
 
 Compiled by XLA's GPU compiler for 8 x H200 (`python -m zerojax.memory --config
-configs/qwen3_235b_a22b_8xh200.py --target h200:8 --compile`, no GPU needed): 68.28 GiB
+configs/qwen3_235b_a22b_8xh200.py --target h200:8 --compile`, no GPU needed): 66.29 GiB
 a device of the 132.43 XLA's allocator has (each device sending each other at most 1.5 x
 a balanced router's rows, `model.expert_capacity_factor`: 98.33 GiB dropless), plus
 109.47 GiB of optimizer state a device in host memory (875.79 GiB a node); the planner's
-estimate 66.95 GiB (0.981). Not run on GPUs yet.
+estimate 63.30 GiB (0.955). Not run on GPUs yet.
 """
 
 import ml_collections

@@ -248,11 +248,42 @@ def test_the_moe_recipes_fit_by_the_gpu_compiler_and_the_planner_within_5_percen
     e, budget = planned(os.path.basename(r["config"])[:-3], r["overrides"], r["target"])
     assert (e.total, e.host_total, budget) == (r["planner"], r["planner_host"], r["budget"])
     assert r["fits"] and abs(r["planner"] / r["gpu"] - 1) < 0.05, r["label"]
-  assert stated(a3b["gpu"], "27.13 GiB") == "27.13 GiB" and a3b["gpu"] <= 70 * 2**30
-  assert stated(a22b["gpu"], "68.28 GiB") == "68.28 GiB"
+  assert stated(a3b["gpu"], "25.38 GiB") == "25.38 GiB" and a3b["gpu"] <= 70 * 2**30
+  assert stated(a22b["gpu"], "66.29 GiB") == "66.29 GiB"
   assert stated(a22b["gpu_host"] * 8, "875.79 GiB") == "875.79 GiB"  # A node's.
   assert a22b["gpu_host"] * 8 <= 2 * 2**40
-  assert stated(mixtral["gpu"], "38.66 GiB") == "38.66 GiB"
+  assert stated(mixtral["gpu"], "36.72 GiB") == "36.72 GiB"
+
+
+def test_moe_at_its_compute():
+  """README "Mixtures of experts at their compute": `benchmarks/results/moe_step.json`
+  (recorded by `python benchmarks/moe_step.py [--target h100:8
+  [--config.model.expert_capacity_factor=0]]`). XLA's GPU compiler: the 30B-A3B recipe
+  at 4 layers, as it resolves today, at most 1.5 x the model's matmul FLOPs (issue 54's
+  bar) at 1.5 and dropless, its dispatch's buffers at most 4 GiB at 1.5 and the planner's
+  to the byte (rerun here); the CPU run's ratios to the digits the README states, the
+  capacity run at least 0.7 x the dense model's tokens/s."""
+  with open(os.path.join(ROOT, "benchmarks", "results", "moe_step.json")) as f:
+    record = json.load(f)
+  path = os.path.join(ROOT, "configs", "qwen3_30b_a3b_8x80gb.py")
+  gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
+  found = []
+  for overrides in ([], ["model.expert_capacity_factor=0"]):
+    run = record[" ".join(["configs/qwen3_30b_a3b_8x80gb.py", *overrides, "h100:8"])]
+    config = load_config(path, [*overrides, "model.n_layers=4"], num_devices=8)
+    assert run["digest"] == digest(config) and run["layers"] == 4
+    spec = memory.RunSpec.from_config(config, 8)
+    tokens = config.train.global_batch_size * config.train.seq_len // 8
+    assert run["dispatch_bytes"] == memory.activations.expert_dispatch_bytes(spec, tokens)
+    assert run["ratio"] <= 1.5, run["ratio"]
+    found.append((f"{run['ratio']:.2f}", gib(run["dispatch_bytes"])))
+  assert found == [("1.41", "1.59"), ("1.41", "8.09")]
+  assert record["configs/qwen3_30b_a3b_8x80gb.py h100:8"]["dispatch_bytes"] <= 4 * 2**30
+  cpu = {row["variant"]: row["vs_dense"] for row in record["cpu"]["rows"]}
+  assert [f"{cpu[k]:.2f}" for k in ("MoE, mesh.expert=8, dropless",
+                                    "MoE, mesh.expert=8, capacity 1.5",
+                                    "MoE, mesh.expert=1")] == ["0.55", "0.78", "0.64"]
+  assert cpu["MoE, mesh.expert=8, capacity 1.5"] >= 0.7
 
 
 def test_every_shipped_gpu_config_is_recorded_at_its_target_within_5_percent():

@@ -125,16 +125,17 @@ def _layer_backward(s: RunSpec, S: int, rows: int, fused: bool) -> tuple[int, in
 def expert_dispatch_bytes(s: RunSpec, tokens: int) -> int:
   """The expert-parallel block's backward at its peak (`moe.expert_parallel`), for
   `tokens` tokens a device: the rows it may receive, ep x `moe.exchange_slots` (ep x
-  tokens x k dropless, the worst case; c x tokens x k at capacity factor c) plus the
-  tiles' padding (E / ep x `moe.TILE`), each
-  in (24 + 4 cb) bytes a model-width value (the exchange buffers, the tiles and their
-  fp32 cotangents) and (8 + cb) an expert-width one (the gate's and up projection's fp32
-  outputs, their product). Read off XLA's GPU compiler's buffers at the peak for
-  Qwen3-30B-A3B on h100:8 (docs/design/moe.md)."""
+  tokens x k dropless, the worst case; c x tokens x k at capacity factor c), each in the
+  exchange's two buffers (2 cb bytes a model-width value), and with the tiles' padding
+  (E / ep x `moe.tile_rows`) in the tiles and their cotangents, fp32 and in the compute
+  dtype (8 + 2 cb). The experts' hidden values stay in a tile (`moe.tile_mlp`). Read off
+  XLA's GPU compiler's buffers at the peak for Qwen3-30B-A3B on h100:8, 4 layers, to the
+  byte at factors 0 and 1.5 (docs/design/moe.md)."""
   ep, cb = s.expert, DTYPE_BYTES[s.compute_dtype]
-  rows = ep * moe.exchange_slots(tokens * s.experts_per_token, ep, s.capacity_factor) + (
-      s.n_experts // ep * moe.TILE)
-  return rows * (s.d_model * (24 + 4 * cb) + s.expert_d_ff * (8 + cb))
+  received, local = ep * moe.exchange_slots(tokens * s.experts_per_token, ep,
+                                            s.capacity_factor), s.n_experts // ep
+  rows = received + local * moe.tile_rows(received, local)
+  return s.d_model * (rows * (8 + 2 * cb) + received * 2 * cb)
 
 
 def kv_width(s: RunSpec) -> int:

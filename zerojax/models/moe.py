@@ -17,8 +17,8 @@ Dispatch:
   sorted by expert and each expert's run goes through its weights in one grouped matmul
   (`jax.lax.ragged_dot`): no token dropped and no padding; the shapes depend only on N.
   XLA (jax 0.10) lowers `ragged_dot` as E masked copies of the rows, so the decoder runs
-  `dropless_tiled`: the same, each expert's run padded to whole tiles of `TILE` rows, a
-  matmul a tile (`tile_matmul`).
+  `dropless_tiled`: the same, each expert's run padded to whole tiles (`tile_rows`), a
+  tile through its expert's MLP (`tile_mlp`).
 - `capacity`: each expert takes at most C = ceil(factor x N x k / E) assignments (the
   first in token order), gathered into an [E, C, D] buffer and computed as batched
   matmuls; the others contribute nothing. Static [E, C, D] blocks are what an all-to-all
@@ -28,6 +28,7 @@ Dispatch:
 the slow, obviously right version the tests hold the others to.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -39,9 +40,19 @@ import jax.numpy as jnp
 from zerojax.mesh import EXPERT_AXIS
 from zerojax.runtime import jax_internals
 
-# Rows a tile of `dropless_tiled` (the decoder's dispatch): each expert's run is padded to
-# whole tiles, so a layer computes at most N k + E x TILE rows.
-TILE = 64
+# Rows a tile of the decoder's dispatch (`tile_rows`): each expert's run is padded to
+# whole tiles, so a layer computes at most one tile of padding an expert.
+MIN_TILE, MAX_TILE = 64, 256
+
+
+def tile_rows(rows: int, n_experts: int) -> int:
+  """The tile for `rows` sorted rows into `n_experts` experts: the largest power of two
+  at most a balanced expert's rows, within [MIN_TILE, MAX_TILE]. A tile is one matmul in
+  the loop (`tile_mlp`): larger ones run closer to a GEMM's speed (the tiny MoE's block,
+  1024 rows into 8 experts on XLA:CPU: 18.0 ms forward and backward at 128 rows, 22.9
+  at 64) and fewer launches on a GPU; smaller ones pad less (at most a tile an expert)."""
+  balanced = max(rows // n_experts, 1)
+  return min(max(1 << (balanced.bit_length() - 1), MIN_TILE), MAX_TILE)
 
 
 class Routing(NamedTuple):
@@ -82,21 +93,64 @@ def _mlp(h_gate: jax.Array, h_up: jax.Array, act: Callable) -> jax.Array:
   return act(h_gate) * h_up  # GLU: act(x W_gate) * (x W_up), as the dense MLP.
 
 
-def _by_expert(routing: Routing) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The N k assignments sorted by expert (stable: token order within an expert):
-  (their ids in token-major order, their tokens, their experts), each int32[N k]."""
-  k = routing.experts.shape[1]
+class Sorted(NamedTuple):
+  """The N k (token, expert) assignments sorted by expert (stable: token order within an
+  expert), each int32[N k]: `order[s]` the token-major id (token x k + j) of the s-th,
+  `inverse[a]` the place of id a (order's inverse), `experts[s]` its expert."""
+  order: jax.Array
+  inverse: jax.Array
+  experts: jax.Array
+
+
+def _by_expert(routing: Routing) -> Sorted:
   flat = routing.experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  return order, order // k, flat[order]
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  return Sorted(order, _inverse(order), flat[order])
 
 
-def _combine(y: jax.Array, routing: Routing, order: jax.Array, tokens: jax.Array,
-             like: jax.Array) -> jax.Array:
+def _inverse(perm: jax.Array, size: int | None = None) -> jax.Array:
+  """int32[size]: where each index went under `perm` (perm[s] = a: inverse[a] = s; an
+  index perm does not reach, and perm's entries >= size, `size`: nowhere)."""
+  size = perm.shape[0] if size is None else size
+  return jnp.full(size + 1, size, jnp.int32).at[jnp.minimum(perm, size)].set(
+      jnp.arange(perm.shape[0], dtype=jnp.int32))[:size]
+
+
+@jax.custom_vjp
+def _moved(x: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+  """x's rows moved by a gather: out[p] = x[src[p]], 0 where src[p] >= len(x). `dst` is
+  its inverse (dst[j]: where row j went, >= len(out): nowhere), so each row goes to one
+  place at most, and the backward pass is the gather by `dst`, not the scatter-add JAX
+  makes of a gather's transpose: XLA:CPU runs a scatter a row at a time (the tiny MoE's
+  block spent 5 of its 18 ms forward and backward in them)."""
+  return jnp.take(x, src, axis=0, mode="fill", fill_value=0)
+
+
+def _moved_fwd(x, src, dst):
+  return _moved(x, src, dst), (src, dst)
+
+
+def _moved_bwd(res, g):
+  src, dst = res
+  return _moved(g, dst, src), None, None
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)
+
+
+def _sorted_rows(x: jax.Array, by: Sorted) -> jax.Array:
+  """x [N, D]'s row for each sorted assignment: [N k, D] (a token's k copies)."""
+  k = by.order.shape[0] // x.shape[0]
+  copies = jnp.broadcast_to(x[:, None], (x.shape[0], k, x.shape[1])).reshape(-1, x.shape[1])
+  return _moved(copies, by.order, by.inverse)
+
+
+def _combine(y: jax.Array, routing: Routing, by: Sorted, like: jax.Array) -> jax.Array:
   """The sorted assignments' outputs y [N k, D] weighted (fp32) and summed onto their
   tokens: [N, D] in `like`'s dtype."""
-  y = y.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
-  return jnp.zeros(like.shape, jnp.float32).at[tokens].add(y).astype(like.dtype)
+  n, k = routing.weights.shape
+  y = _moved(y, by.inverse, by.order).astype(jnp.float32).reshape(n, k, -1)
+  return jnp.einsum("nkd,nk->nd", y, routing.weights.astype(jnp.float32)).astype(like.dtype)
 
 
 def dropless(x: jax.Array, routing: Routing, experts: Experts,
@@ -108,18 +162,18 @@ def dropless(x: jax.Array, routing: Routing, experts: Experts,
   run e by expert e's kernel. The outputs are weighted in fp32 and scattered back onto
   their tokens (a token's k contributions summed in fp32).
   """
-  order, tokens, _ = _by_expert(routing)
+  by = _by_expert(routing)
   sizes = tokens_per_expert(routing, experts.gate.shape[0])
-  xs = x[tokens]  # [N k, D], expert by expert.
+  xs = _sorted_rows(x, by)  # [N k, D], expert by expert.
   dot = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32)  # noqa: E731
   h = _mlp(dot(xs, experts.gate), dot(xs, experts.up), act).astype(x.dtype)
-  return _combine(dot(h, experts.down), routing, order, tokens, x)
+  return _combine(dot(h, experts.down), routing, by, x)
 
 
 def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
-                   act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
+                   act: Callable = jax.nn.silu, tile: int | None = None) -> jax.Array:
   """`dropless` without `ragged_dot`: each expert's run padded to whole tiles of `tile`
-  rows, and each tile one dense matmul with its expert's kernel (`tiled_experts`).
+  rows (None: `tile_rows`), each tile through its expert's MLP (`tiled_experts`).
 
   XLA lowers `ragged_dot` as E masked copies of the rows (docs/design/moe.md); here the
   rows are at most N k + E x tile (the padding), so the bytes and FLOPs grow with the
@@ -128,23 +182,25 @@ def dropless_tiled(x: jax.Array, routing: Routing, experts: Experts,
   Returns:
     [N, D] in x's dtype: `dropless`'s result.
   """
-  order, tokens, chosen = _by_expert(routing)
-  return _combine(tiled_experts(x[tokens], chosen, experts, act, tile), routing, order,
-                  tokens, x)
+  by = _by_expert(routing)
+  return _combine(tiled_experts(_sorted_rows(x, by), by.experts, experts, act, tile), routing,
+                  by, x)
 
 
 def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
-                  act: Callable = jax.nn.silu, tile: int = 64) -> jax.Array:
+                  act: Callable = jax.nn.silu, tile: int | None = None) -> jax.Array:
   """Each row through its expert's MLP: rows [M, D] sorted by expert, ids int32[M] their
   experts in order (E: an empty row, through none; those last) -> float32[M, D] (an
   empty row: 0).
 
-  Each expert's run is padded to whole tiles of `tile` rows (at most M + E x tile rows, a
-  static bound for the buffers), and each occupied tile is one dense matmul with its
-  expert's kernel (`tile_matmul`), one after another: the loop runs as many tiles as the
-  runs fill (at most one of padding an expert), whatever the bound.
+  Each expert's run is padded to whole tiles of `tile` rows (None: `tile_rows(M, E)`; at
+  most M + E x tile rows, a
+  static bound for the buffers), and each occupied tile goes through its expert's MLP
+  (`tile_mlp`), one after another: the loop runs as many tiles as the runs fill (at most
+  one of padding an expert), whatever the bound.
   """
-  n_experts, (m, d) = experts.gate.shape[0], rows.shape
+  n_experts, m = experts.gate.shape[0], rows.shape[0]
+  tile = tile or tile_rows(m, n_experts)
   sizes = jnp.bincount(ids, length=n_experts + 1)[:n_experts]
   padded = -(-sizes // tile) * tile  # Each expert's rows, up to whole tiles.
   ends = jnp.cumsum(padded)
@@ -153,14 +209,12 @@ def tiled_experts(rows: jax.Array, ids: jax.Array, experts: Experts,
   # Each row's place; an empty row goes to a spare row at the end, sliced off.
   rank = jnp.arange(m) - (jnp.cumsum(sizes) - sizes)[expert]
   row = jnp.where(ids < n_experts, (ends - padded)[expert] + rank, tiles * tile)
-  xs = jnp.zeros((tiles * tile + 1, d), rows.dtype).at[row].set(rows)[:-1]
-  # Tile t's expert; tiles past the last expert's are zeros and take the last kernel.
-  owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(tiles) * tile, side="right"),
-                      n_experts - 1).astype(jnp.int32)
-  used = ends[-1] // tile  # The occupied tiles, first: the loops' trip count.
-  mm = lambda a, w: tile_matmul(a, w, owner, used)  # noqa: E731
-  h = _mlp(mm(xs, experts.gate), mm(xs, experts.up), act).astype(rows.dtype)
-  return jnp.pad(mm(h, experts.down), ((0, 1), (0, 0)))[row]  # Empty rows: the zero row.
+  src = _inverse(row, tiles * tile)  # Each slot's row; m: a padding slot, zeros.
+  xs = _moved(rows, src, row)
+  # Expert e's tiles are [ends[e - 1], ends[e]) / tile; those past the last expert's
+  # are zeros, and no loop reaches them.
+  out = tile_mlp(xs, experts, (ends // tile).astype(jnp.int32), act, tile)
+  return _moved(out, row, src)  # An empty row's is past the slots: 0.
 
 
 def _varying(*xs: jax.Array) -> tuple[str, ...]:
@@ -174,57 +228,101 @@ def _zeros(shape, dtype, vary: tuple[str, ...]) -> jax.Array:
   return jax.lax.pcast(z, vary, to="varying") if vary else z
 
 
-@jax.custom_vjp
-def tile_matmul(a: jax.Array, w: jax.Array, owner: jax.Array, used: jax.Array) -> jax.Array:
-  """a [tiles x t, K] @ w[owner[i]] [K, M] tile by tile for the first `used` tiles:
-  float32[tiles x t, M], the rows of the other tiles 0.
-
-  A loop whose trip count is `used` (int32[], at most tiles): a grouped matmul that
-  does the routed rows' work, not the static bound's. XLA's lowering of
-  `jax.lax.ragged_dot` (jax 0.10) multiplies every row by every expert, masked, on
-  XLA:CPU and XLA's GPU compiler alike (docs/design/moe.md). A custom vjp: the loop's
-  trip count is dynamic, which reverse-mode cannot differentiate, and each tile's weight
-  gradient is added into one [E, K, M] accumulator as the backward loop goes."""
-  t = a.shape[0] // owner.shape[0]
-
-  def tile(i, out):
-    y = jnp.dot(jax.lax.dynamic_slice_in_dim(a, i * t, t), w[owner[i]],
-                preferred_element_type=jnp.float32)
-    return jax.lax.dynamic_update_slice_in_dim(out, y, i * t, 0)
-
-  out = _zeros((a.shape[0], w.shape[-1]), jnp.float32, _varying(a, w, owner, used))
-  return jax.lax.fori_loop(0, used, tile, out)
+def _tile_forward(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                  act: Callable) -> tuple[jax.Array, tuple]:
+  """One tile's rows x [t, D] through one expert's MLP: float32[t, D], and (the gate's
+  and up projection's fp32 outputs, their product in x's dtype) for its backward."""
+  h_gate = jnp.dot(x, gate, preferred_element_type=jnp.float32)
+  h_up = jnp.dot(x, up, preferred_element_type=jnp.float32)
+  h = _mlp(h_gate, h_up, act).astype(x.dtype)
+  return jnp.dot(h, down, preferred_element_type=jnp.float32), (h_gate, h_up, h)
 
 
-def _tile_matmul_fwd(a, w, owner, used):
-  return tile_matmul(a, w, owner, used), (a, w, owner, used)
+def _expert_tiles(tile_ends: jax.Array, e) -> tuple[jax.Array, jax.Array]:
+  """Expert e's tiles: [first, end)."""
+  return jnp.where(e > 0, tile_ends[jnp.maximum(e - 1, 0)], 0), tile_ends[e]
 
 
-def _tile_matmul_bwd(res, g):
-  a, w, owner, used = res
-  t = a.shape[0] // owner.shape[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tile_mlp(xs: jax.Array, experts: Experts, tile_ends: jax.Array, act: Callable,
+             t: int) -> jax.Array:
+  """Each occupied tile of `t` rows of xs [tiles x t, D] through its expert's MLP:
+  float32[tiles x t, D], the rows of the other tiles 0. Expert e's tiles are
+  [tile_ends[e - 1], tile_ends[e]) (int32[E], cumulative; expert 0's start at 0).
 
-  def tile(i, carry):
-    da, dw = carry
-    x, dy = (jax.lax.dynamic_slice_in_dim(v, i * t, t) for v in (a, g))
-    e = owner[i]
-    dx = jnp.dot(dy, w[e].T.astype(jnp.float32), preferred_element_type=jnp.float32)
-    dw = dw.at[e].add(jnp.dot(x.T.astype(jnp.float32), dy, preferred_element_type=jnp.float32))
-    return jax.lax.dynamic_update_slice_in_dim(da, dx.astype(a.dtype), i * t, 0), dw
+  A loop over the experts, each with a loop over its tiles whose trip count is the tiles
+  its rows fill: a grouped matmul that does the routed rows' work, not the static
+  bound's. An expert's kernels are sliced once for its tiles (sliced a tile, the copies
+  cost XLA:CPU as much as a 64-row tile's matmuls), and its three matmuls run in one trip,
+  so the [t, F] hidden values never leave the tile. XLA's lowering of `jax.lax.ragged_dot`
+  (jax 0.10) multiplies every row by every expert, masked, on XLA:CPU and XLA's GPU
+  compiler alike (docs/design/moe.md). A custom vjp: reverse mode cannot differentiate a
+  loop with a dynamic trip count. The backward loops recompute each tile's hidden values
+  and sum an expert's weight gradients over its tiles in fp32; they round where autodiff
+  of the three matmuls one by one would (the hidden values' cotangent to x's dtype, the
+  input's two parts each), so the numbers are theirs."""
+
+  def expert(e, out):
+    gate, up, down = experts.gate[e], experts.up[e], experts.down[e]
+
+    def tile(i, out):
+      y, _ = _tile_forward(jax.lax.dynamic_slice_in_dim(xs, i * t, t), gate, up, down, act)
+      return jax.lax.dynamic_update_slice_in_dim(out, y, i * t, 0)
+
+    return jax.lax.fori_loop(*_expert_tiles(tile_ends, e), tile, out)
+
+  out = _zeros((xs.shape[0], xs.shape[-1]), jnp.float32, _varying(xs, *experts, tile_ends))
+  return jax.lax.fori_loop(0, experts.gate.shape[0], expert, out)
+
+
+def _tile_mlp_fwd(xs, experts, tile_ends, act, t):
+  return tile_mlp(xs, experts, tile_ends, act, t), (xs, experts, tile_ends)
+
+
+def _tile_mlp_bwd(act, t, res, ct):
+  xs, experts, tile_ends = res
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)  # noqa: E731
+  vary = _varying(xs, ct, tile_ends, *experts)
+
+  def expert(e, carry):
+    dxs, grads = carry
+    gate, up, down = experts.gate[e], experts.up[e], experts.down[e]
+
+    def tile(i, carry):
+      dxs, (d_gate_w, d_up_w, d_down_w) = carry
+      x, dy = (jax.lax.dynamic_slice_in_dim(v, i * t, t) for v in (xs, ct))
+      _, (h_gate, h_up, h) = _tile_forward(x, gate, up, down, act)
+      dh = f32(dot(dy, f32(down).T).astype(x.dtype))
+      _, pull = jax.vjp(lambda a, b: _mlp(a, b, act), h_gate, h_up)
+      d_gate, d_up = pull(dh)
+      dx = dot(d_gate, f32(gate).T).astype(x.dtype) + dot(d_up, f32(up).T).astype(x.dtype)
+      sums = (d_gate_w + dot(f32(x).T, d_gate), d_up_w + dot(f32(x).T, d_up),
+              d_down_w + dot(f32(h).T, dy))
+      return jax.lax.dynamic_update_slice_in_dim(dxs, dx, i * t, 0), sums
+
+    zero = tuple(_zeros(w.shape[1:], jnp.float32, vary) for w in experts)
+    dxs, sums = jax.lax.fori_loop(*_expert_tiles(tile_ends, e), tile, (dxs, zero))
+    grads = Experts(*(jax.lax.dynamic_update_index_in_dim(g, s, e, 0)
+                      for g, s in zip(grads, sums, strict=True)))
+    return dxs, grads
 
   # Inside a shard_map that checks replication, the tiles vary over the token axes; the
-  # accumulators start varying as they do, and the kernel's gradient is summed over the
-  # axes the kernel does not vary over (its cotangent is the whole sum there). The
+  # accumulators start varying as they do, and the kernels' gradients are summed over
+  # the axes the kernels do not vary over (their cotangent is the whole sum there). The
   # train step's shard_map does not check (no axis varies): it sums gradients itself.
-  vary = _varying(a, g, owner, w, used)
-  da, dw = jax.lax.fori_loop(0, used, tile, (_zeros(a.shape, a.dtype, vary),
-                                             _zeros(w.shape, jnp.float32, vary)))
-  extra = tuple(sorted(jax_internals.varying_axes(dw) - jax_internals.varying_axes(w)))
-  dw = jax.lax.psum(dw, extra) if extra else dw
-  return da, dw.astype(w.dtype), None, None
+  zero = Experts(*(_zeros(w.shape, jnp.float32, vary) for w in experts))
+  dxs, grads = jax.lax.fori_loop(0, experts.gate.shape[0], expert,
+                                 (_zeros(xs.shape, xs.dtype, vary), zero))
+
+  def summed(g, w):
+    extra = tuple(sorted(jax_internals.varying_axes(g) - jax_internals.varying_axes(w)))
+    return (jax.lax.psum(g, extra) if extra else g).astype(w.dtype)
+
+  return dxs, Experts(*map(summed, grads, experts)), None
 
 
-tile_matmul.defvjp(_tile_matmul_fwd, _tile_matmul_bwd)
+tile_mlp.defvjp(_tile_mlp_fwd, _tile_mlp_bwd)
 
 
 def exchange_slots(rows: int, ep: int, factor: float) -> int:
@@ -236,7 +334,7 @@ def exchange_slots(rows: int, ep: int, factor: float) -> int:
 
 
 def expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
-                    act: Callable = jax.nn.silu, tile: int = 64,
+                    act: Callable = jax.nn.silu, tile: int | None = None,
                     factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """`dropless` with the experts split over mesh axis `axis` (inside `jax.shard_map`),
   each device sending each other at most `exchange_slots(N k, ep, factor)` rows.
@@ -268,24 +366,27 @@ def expert_parallel(x: jax.Array, routing: Routing, local: Experts, axis: str,
   """
   el = local.gate.shape[0]
   ep = routing.logits.shape[-1] // el
-  order, tokens, chosen = _by_expert(routing)  # By expert, so by device too.
-  m, d = order.shape[0], x.shape[-1]
+  by = _by_expert(routing)  # By expert, so by device too.
+  m, d = by.order.shape[0], x.shape[-1]
   slots = exchange_slots(m, ep, factor)
-  dest = chosen // el
+  rows = ep * slots
+  dest = by.experts // el
   counts = jnp.bincount(dest, length=ep)
   rank = jnp.arange(m) - (jnp.cumsum(counts) - counts)[dest]  # Place in its block.
   kept = rank < slots
-  at = (dest, jnp.where(kept, rank, slots))  # A dropped row: a spare slot, sliced off.
-  send = jnp.zeros((ep, slots + 1, d), x.dtype).at[at].set(x[tokens])[:, :slots]
-  ids = jnp.full((ep, slots + 1), el, jnp.int32).at[at].set(chosen % el)[:, :slots]
+  at = jnp.where(kept, dest * slots + rank, rows)  # A dropped row: nowhere.
+  src = _inverse(at, rows)  # Each slot's row; m: an empty slot.
+  send = _moved(_sorted_rows(x, by), src, at).reshape(ep, slots, d)
+  ids = jnp.where(src < m, jnp.take(by.experts % el, src, mode="clip"), el)  # el: empty.
   exchange = lambda a: jax.lax.all_to_all(a, axis, 0, 0, tiled=True)  # noqa: E731
-  rows = ep * slots
-  got, got_ids = exchange(send).reshape(rows, d), exchange(ids).reshape(rows)
-  mine = jnp.argsort(got_ids, stable=True)  # By local expert; empty rows last.
-  y = jnp.zeros((rows, d), jnp.float32).at[mine].set(
-      tiled_experts(got[mine], got_ids[mine], local, act, tile)).astype(x.dtype)
-  back = jnp.pad(exchange(y.reshape(ep, slots, d)), ((0, 0), (0, 1), (0, 0)))[at]
-  return (_combine(back, routing, order, tokens, x),  # A dropped row's is the spare 0.
+  got = exchange(send).reshape(rows, d)
+  got_ids = exchange(ids.reshape(ep, slots)).reshape(rows)
+  mine = jnp.argsort(got_ids, stable=True).astype(jnp.int32)  # By local expert; empty last.
+  theirs = _inverse(mine)
+  y = _moved(tiled_experts(_moved(got, mine, theirs), got_ids[mine], local, act, tile),
+             theirs, mine).astype(x.dtype)
+  back = _moved(exchange(y.reshape(ep, slots, d)).reshape(rows, d), at, src)
+  return (_combine(back, routing, by, x),  # A dropped row's is past the slots: 0.
           jnp.sum(~kept).astype(jnp.int32))
 
 
@@ -446,12 +547,12 @@ class MoeMlp(nn.Module):
     dropped = jnp.zeros((), jnp.int32)
     if experts.gate.shape[0] < E:  # Inside the step's shard_map, this device's experts
       # only: the plan split them over the mesh's expert axis.
-      out, dropped = expert_parallel(h, routing, experts, EXPERT_AXIS, self.act, TILE,
-                                     self.capacity_factor)
+      out, dropped = expert_parallel(h, routing, experts, EXPERT_AXIS, self.act,
+                                     factor=self.capacity_factor)
     elif self.capacity_factor:
       out, dropped = with_capacity(h, routing, experts, self.capacity_factor, self.act)
     else:  # In tiles, not by `ragged_dot`: XLA lowers that as E copies of the rows.
-      out = dropless_tiled(h, routing, experts, self.act, TILE)
+      out = dropless_tiled(h, routing, experts, self.act)
     return out.reshape(B, T, D), stats(routing, dropped=dropped)
 
 
