@@ -16,7 +16,7 @@ all-to-all); everything else is ZeRO-sharded over all 8.
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`python -m zerojax.memory --config
 configs/qwen3_30b_a3b_8x80gb.py --target h100:8 --compile`, no GPU needed): 21.33 GiB of
 state + 4.05 GiB of temporaries = 25.38 GiB a device of the 74.72 XLA's allocator has;
-the planner's estimate 24.43 GiB (0.963). Each device sends each other at most 1.5 x what
+the planner's estimate 25.37 GiB (1.000). Each device sends each other at most 1.5 x what
 a balanced router sends it (`model.expert_capacity_factor`, the rest dropped and
 counted: `moe/dropped_tokens`); dropless (0), the exchange's buffers hold the worst
 case, every row to one device: 20.15 GiB of temporaries, 41.48 GiB a device. Not run on

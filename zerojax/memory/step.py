@@ -244,8 +244,13 @@ def estimate(config, devices: int | None = None, device_memory: int = 0,
   during = ["layer gradients", "gradients", "accumulator", "saved activations",
             "gathered head", "embedding copy"]
   # Written first, the carried update is gone before the layer's backward.
+  # Release with experts over devices: XLA's GPU compiler keeps the loss chunk's logits
+  # and the head's gradient shard beside the first backward trip's dispatch buffers
+  # (Qwen3-30B-A3B at 4 layers on h100:8: `f32[4096, 18992]` x 2 at the layer-backward
+  # peak); dense layers' backward does not overlap them (70b_8x4090 would read 1.106).
+  overlaps = ["loss chunk", "head gradient"] if s.release and s.n_experts and s.expert > 1 else []
   parts = {"layer backward": during + ["working set", "gathered layer"] + (
-               [] if s.writes_first else ["written behind"]),
+               [] if s.writes_first else ["written behind"]) + overlaps,
            "loss backward": during + ["loss chunk", "head gradient"],
            "forward start": ["gradients", "accumulator", "saved activations", "gathered layer",
                              "gathered head", "vocab gradient buffers"]}
