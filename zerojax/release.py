@@ -167,10 +167,10 @@ def _is_dim(d) -> bool:
 
 
 def _setup(plan: zero.ZeroPlan, parts: LayeredLoss, tx: optax.GradientTransformation,
-           depth: int, **options) -> _Release:
+           depth: int, *, reduce_dtype: Any, **options) -> _Release:
   copies = jax.tree.map(lambda d, e: 1 if d is not None else plan.shards_of(e),
                         plan.param_dims, plan.expert_dims, is_leaf=_is_dim)
-  reduce_dtype = jnp.dtype(options.pop("reduce_dtype"))
+  reduce_dtype = jnp.dtype(reduce_dtype)
   update = functools.partial(updates.apply, tx)
   return _Release(plan, parts, depth, reduce_dtype=reduce_dtype, copies=copies,
                   mean_scale=jnp.asarray(1.0 / plan.num_data, reduce_dtype),
