@@ -15,7 +15,8 @@ device, tokens to it by all-to-all); everything else is ZeRO-sharded over all 8.
 Compiled by XLA's GPU compiler for 8 x H100 80GB (`python -m zerojax.memory --config
 configs/mixtral_8x7b_8x80gb.py --target h100:8 --compile`, no GPU needed): 36.72 GiB a
 device of the 74.72 XLA's allocator has (each device sending each other at most 1.5 x a
-balanced router's rows: 53.03 GiB dropless); the planner's estimate 37.71 GiB (1.027).
+balanced router's rows; 39.46 GiB dropless, `--config.model.expert_capacity_factor=0`);
+the planner's estimate 37.71 GiB (1.027).
 Not run on GPUs yet.
 """
 

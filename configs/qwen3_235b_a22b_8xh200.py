@@ -19,7 +19,7 @@ and come to the device a layer at a time inside release's backward loop.
 Compiled by XLA's GPU compiler for 8 x H200 (`python -m zerojax.memory --config
 configs/qwen3_235b_a22b_8xh200.py --target h200:8 --compile`, no GPU needed): 66.29 GiB
 a device of the 132.43 XLA's allocator has (each device sending each other at most 1.5 x
-a balanced router's rows, `model.expert_capacity_factor`: 98.33 GiB dropless), plus
+a balanced router's rows, `model.expert_capacity_factor`; 79.23 GiB dropless, at 0), plus
 109.47 GiB of optimizer state a device in host memory (875.79 GiB a node); the planner's
 estimate 64.60 GiB (0.974). Not run on GPUs yet.
 """

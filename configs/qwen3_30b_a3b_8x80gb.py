@@ -18,9 +18,9 @@ configs/qwen3_30b_a3b_8x80gb.py --target h100:8 --compile`, no GPU needed): 21.3
 state + 4.05 GiB of temporaries = 25.38 GiB a device of the 74.72 XLA's allocator has;
 the planner's estimate 25.37 GiB (1.000). Each device sends each other at most 1.5 x what
 a balanced router sends it (`model.expert_capacity_factor`, the rest dropped and
-counted: `moe/dropped_tokens`); dropless (0), the exchange's buffers hold the worst
-case, every row to one device: 20.15 GiB of temporaries, 41.48 GiB a device. Not run on
-GPUs yet.
+counted: `moe/dropped_tokens`); dropless (`--config.model.expert_capacity_factor=0`),
+the exchange's buffers hold the worst case, every row to one device: 10.55 GiB of
+temporaries, 31.88 GiB a device. Not run on GPUs yet.
 """
 
 import ml_collections
