@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.mesh import EXPERT_AXIS
+from zerojax.models import remat
 from zerojax.runtime import jax_internals
 
 # Rows a tile of the decoder's dispatch (`tile_rows`): each expert's run is padded to
@@ -47,12 +48,14 @@ MIN_TILE, MAX_TILE = 64, 256
 
 def tile_rows(rows: int, n_experts: int) -> int:
   """The tile for `rows` sorted rows into `n_experts` experts: the largest power of two
-  at most a balanced expert's rows, within [MIN_TILE, MAX_TILE]. A tile is one trip of
-  the loop (`tile_mlp`): larger ones run closer to a GEMM's speed (`tiled_experts` on
-  1,024 routed rows into 8 experts of the tiny MoE, forward and backward on one XLA:CPU
-  device: 12.6 ms at 128 rows, 14.2 at 64) and launch fewer kernels on a GPU; smaller
-  ones pad less (at most a tile an expert)."""
-  balanced = max(rows // n_experts, 1)
+  at most half a balanced expert's rows, within [MIN_TILE, MAX_TILE]. A tile is one trip
+  of the loop (`tile_mlp`): larger ones run closer to a GEMM's speed and launch fewer
+  kernels on a GPU; smaller ones pad less (at most a tile an expert). Half, not all, of a
+  balanced expert's rows: an expert a little over balanced takes two tiles, not one and
+  a whole tile of padding (`benchmarks/moe_step.py`'s tiny MoE without expert
+  parallelism: 1,024 rows into 8 experts, 64-row tiles ran 0.73 of the dense model's
+  tokens/s and 128-row tiles 0.64, interleaved in one process)."""
+  balanced = max(rows // n_experts // 2, 1)
   return min(max(1 << (balanced.bit_length() - 1), MIN_TILE), MAX_TILE)
 
 
@@ -276,7 +279,10 @@ def tile_mlp(xs: jax.Array, experts: Experts, tile_ends: jax.Array, act: Callabl
 
 
 def _tile_mlp_fwd(xs, experts, tile_ends, act, t):
-  return tile_mlp(xs, experts, tile_ends, act, t), (xs, experts, tile_ends)
+  # Named: remat 'dots' keeps the outputs (it keeps every matmul's), not running the loop
+  # again in the backward pass.
+  return remat.named(tile_mlp(xs, experts, tile_ends, act, t), remat.EXPERTS), (xs, experts,
+                                                                                 tile_ends)
 
 
 def _tile_mlp_bwd(act, t, res, ct):

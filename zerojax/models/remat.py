@@ -26,6 +26,10 @@ NAMES = {
     "up_proj": lambda D, q, kv, F: F,
     "down_proj": lambda D, q, kv, F: D,
 }
+# The mixture of experts' outputs (`moe.tile_mlp`): matmul outputs, but made in a loop
+# that `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` cannot see into, so
+# 'dots' saves them by name (else the backward pass runs the experts' forward loop again).
+EXPERTS = "experts"
 _QKV = ("q_proj", "k_proj", "v_proj")
 _PROJECTIONS = (*_QKV, "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -48,7 +52,9 @@ def policy(name: str):
   if name == "none":
     return None
   if name == "dots":
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(EXPERTS))
   if name == "full":
     return jax.checkpoint_policies.nothing_saveable
   return jax.checkpoint_policies.save_only_these_names(*SAVED[name])
@@ -66,6 +72,7 @@ def saved_width(name: str, d_model: int, q: int, kv: int, d_ff: int) -> int:
 
 
 def named(x: jax.Array, name: str) -> jax.Array:
-  """`x`, tagged `name` (a key of `NAMES`) for the by-name policies; no-op otherwise."""
-  assert name in NAMES, name
+  """`x`, tagged `name` (a key of `NAMES`, or `EXPERTS`) for the policies that save by
+  name; no-op otherwise."""
+  assert name in NAMES or name == EXPERTS, name
   return checkpoint_name(x, name)
