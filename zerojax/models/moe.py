@@ -53,8 +53,9 @@ def tile_rows(rows: int, n_experts: int) -> int:
   kernels on a GPU; smaller ones pad less (at most a tile an expert). Half, not all, of a
   balanced expert's rows: an expert a little over balanced takes two tiles, not one and
   a whole tile of padding (`benchmarks/moe_step.py`'s tiny MoE without expert
-  parallelism: 1,024 rows into 8 experts, 64-row tiles ran 0.73 of the dense model's
-  tokens/s and 128-row tiles 0.64, interleaved in one process)."""
+  parallelism, 1,024 rows into 8 experts: in a one-off A/B of its steps interleaved in
+  one process, 64-row tiles ran 0.73 of the dense model's tokens/s and 128-row tiles
+  0.64; the recorded run gives 0.65, and runs on this machine vary 0.58-0.73)."""
   balanced = max(rows // n_experts // 2, 1)
   return min(max(1 << (balanced.bit_length() - 1), MIN_TILE), MAX_TILE)
 
@@ -281,8 +282,8 @@ def tile_mlp(xs: jax.Array, experts: Experts, tile_ends: jax.Array, act: Callabl
 def _tile_mlp_fwd(xs, experts, tile_ends, act, t):
   # Named: remat 'dots' keeps the outputs (it keeps every matmul's), not running the loop
   # again in the backward pass.
-  return remat.named(tile_mlp(xs, experts, tile_ends, act, t), remat.EXPERTS), (xs, experts,
-                                                                                 tile_ends)
+  y = remat.named(tile_mlp(xs, experts, tile_ends, act, t), remat.EXPERTS)
+  return y, (xs, experts, tile_ends)
 
 
 def _tile_mlp_bwd(act, t, res, ct):

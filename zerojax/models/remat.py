@@ -36,7 +36,8 @@ _PROJECTIONS = (*_QKV, "o_proj", "gate_proj", "up_proj", "down_proj")
 # Policy -> the names it saves (None: not a by-name policy). Most memory first.
 SAVED = {
     "none": None,  # No remat: everything.
-    "dots": None,  # Every matmul output without batch dims (the projections, by JAX's rule).
+    "dots": None,  # Every matmul output without batch dims (the projections, by JAX's
+    # rule), and the experts' outputs (`EXPERTS`).
     "minimal": _PROJECTIONS,  # MaxText's 'minimal': every projection, not attention_out.
     "save_dot_with_context_except_mlp": (*_QKV, "attention_out", "o_proj"),
     "save_dot_except_mlp": (*_QKV, "o_proj"),
